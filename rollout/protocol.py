@@ -1,0 +1,92 @@
+"""The contract every rollout engine implements (embedded PyTorch, speculative, SGLang).
+
+An RL loop only ever sees `RolloutEngine.generate` and `Trajectory`; that is what lets the
+speculative engine and the SGLang backend drop in without the trainer noticing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class SpecStats:
+    """Acceptance statistics of one sequence (speculative engines only)."""
+
+    verify_steps: int = 0
+    drafted: int = 0  # draft tokens proposed (along the verified path)
+    accepted: int = 0  # draft tokens accepted
+    drafted_per_pos: list[int] = field(default_factory=list)  # index = draft depth
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
+
+    def record(self, depth_drafted: int, n_accepted: int) -> None:
+        need = depth_drafted
+        for lst in (self.drafted_per_pos, self.accepted_per_pos):
+            lst.extend([0] * (need - len(lst)))
+        for d in range(depth_drafted):
+            self.drafted_per_pos[d] += 1
+            if d < n_accepted:
+                self.accepted_per_pos[d] += 1
+        self.verify_steps += 1
+        self.drafted += depth_drafted
+        self.accepted += n_accepted
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens, stop token included when one was hit
+    logprobs: torch.Tensor  # (n,) float32 target log-prob of each generated token, log_softmax(logits / T)
+    finish_reason: str  # "stop" or "length"
+    request_id: int = 0
+    # Fused EAGLE-3 target features at every position of prompt + response except the last,
+    # (P + n - 1, 3H) in half precision; filled when capture was requested.
+    features: torch.Tensor | None = None
+    spec: SpecStats | None = None
+
+    @property
+    def full_ids(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
+        """Generate one trajectory per prompt. request_ids key the sampling noise (see
+        rollout.sampling), so a request's output does not depend on its batch neighbours."""
+
+    def load_policy_weights(self, state_dict: dict) -> None:
+        """Policy sync after a trainer step. Never touches draft weights."""

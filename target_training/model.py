@@ -1,0 +1,322 @@
+"""Decoder-only MoE transformer in plain PyTorch: the RL policy and the target of speculation.
+
+Design points that later layers rely on:
+- `forward` can tap the outputs of any layers (EAGLE-3 reads three of them) at no extra cost.
+- The KV cache is static and per-slot: every sequence of a batch has its own length, so
+  sequences advance by different amounts (speculative acceptance), roll back to any length,
+  and slots are refilled independently (continuous batching).
+- An explicit boolean mask over the new block lets tree verification attend along tree
+  branches without the model knowing anything about trees.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from target_training.config import MoEConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x).to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B, T) -> cos, sin (B, T, 1, D) in the rotate-half convention."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # (B, T, 1, D)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class KVCache:
+    """Static KV cache with a length per slot.
+
+    k, v: (L, B_max, T_max, H_kv, D). Entries at positions >= lengths[slot] are garbage and
+    never attended to, so rollback is just lowering a length.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+        if batch_size <= 0 or max_len <= 0:
+            raise ValueError(f"KVCache needs positive batch_size and max_len, got {batch_size}, {max_len}")
+        shape = (num_layers, batch_size, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.batch_size = batch_size
+
+    @classmethod
+    def for_model(cls, cfg: MoEConfig, batch_size: int, max_len: int | None = None,
+                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "KVCache":
+        return cls(cfg.num_layers, batch_size, max_len or cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim, device, dtype)
+
+    def begin_block(self, slots: torch.Tensor | None, T: int, attn_mask: torch.Tensor | None = None) -> "CacheBlock":
+        """Plan the write of T new tokens per slot: where they go and what they may attend to."""
+        slots = self.all_slots()[: attn_mask.shape[0] if attn_mask is not None else self.batch_size] if slots is None else slots
+        B = slots.shape[0]
+        device = self.lengths.device
+        start = self.lengths[slots]  # (B,)
+        end = int(start.max()) + T
+        if end > self.max_len:
+            raise ValueError(f"KV cache overflow: need {end} positions, cache holds {self.max_len}")
+        offs = torch.arange(T, device=device)
+        keys = torch.arange(end, device=device)  # (S,)
+        prefix = keys[None, None, :] < start[:, None, None]  # (B, 1, S)
+        rel = keys[None, :] - start[:, None]  # (B, S) position inside the new block
+        in_block = (rel >= 0) & (rel < T)
+        block_mask = attn_mask if attn_mask is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        gathered = torch.gather(block_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, end))  # (B, T, S)
+        mask = (prefix | (in_block[:, None, :] & gathered))[:, None]  # (B, 1, T, S)
+        return CacheBlock(self, slots, start, start[:, None] + offs, end, mask)
+
+    def all_slots(self) -> torch.Tensor:
+        return torch.arange(self.batch_size, device=self.lengths.device)
+
+    def rollback(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Truncate each slot to the given length (must not exceed its current length)."""
+        slots = torch.as_tensor(slots, device=self.lengths.device)
+        lengths = torch.as_tensor(lengths, device=self.lengths.device, dtype=torch.long).expand_as(slots)
+        if bool((lengths > self.lengths[slots]).any()) or bool((lengths < 0).any()):
+            raise ValueError("KVCache.rollback: new length must lie in [0, current length]")
+        self.lengths[slots] = lengths
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.lengths[torch.as_tensor(slots, device=self.lengths.device)] = 0
+
+    def compact(self, slots: torch.Tensor, src_positions: torch.Tensor, dst_start: torch.Tensor) -> None:
+        """Copy entries at src_positions (B, n) of each slot to dst_start[b] + arange(n), then set
+        lengths to dst_start + n. Used to keep an accepted tree path and drop its siblings."""
+        n = src_positions.shape[1]
+        dst = dst_start[:, None] + torch.arange(n, device=src_positions.device)  # (B, n)
+        rows = slots[:, None].expand_as(src_positions)
+        for buf in (self.k, self.v):
+            moved = buf[:, rows, src_positions]  # (L, B, n, Hkv, D) (a copy)
+            buf[:, rows, dst] = moved
+        self.lengths[slots] = dst_start + n
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_id: int):
+        super().__init__()
+        self.cfg = cfg
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps)  # Qwen3-style QK-norm keeps logits tame
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
+
+    def forward(self, x, cos, sin, block: CacheBlock | None, mask: torch.Tensor | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_heads, self.hd))
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd))
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if block is not None:
+            k, v = block.write_and_read(self.layer_id, k, v)
+            mask = block.mask
+        return self.o_proj(attend(q, k, v, mask))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
+
+
+class MoE(nn.Module):
+    """Top-k softmax router over SwiGLU experts, with the Switch-style load-balancing loss.
+
+    Expert weights are stacked (E, out, in) so that export to HF/Megatron names is a slice.
+    """
+
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        E, H, I = cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size
+        self.cfg = cfg
+        self.gate = nn.Linear(H, E, bias=False)  # the router
+        self.w_gate = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w_up = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
+        self.w_down = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+
+    def forward(self, x: torch.Tensor):
+        B, T, H = x.shape
+        flat = x.reshape(-1, H)  # (N, H)
+        probs = F.softmax(self.gate(flat).float(), dim=-1)  # (N, E)
+        topw, topi = probs.topk(self.cfg.top_k, dim=-1)  # (N, k)
+        if self.cfg.norm_topk_prob:
+            topw = topw / topw.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        E = self.cfg.num_experts
+        counts = torch.bincount(topi.reshape(-1), minlength=E)  # (E,)
+        for e in torch.nonzero(counts).flatten().tolist():
+            tok, slot = torch.nonzero(topi == e, as_tuple=True)
+            h = flat[tok]
+            y = F.linear(F.silu(F.linear(h, self.w_gate[e])) * F.linear(h, self.w_up[e]), self.w_down[e])
+            out.index_add_(0, tok, (y * topw[tok, slot, None]).to(out.dtype))
+        frac_tokens = counts.float() / max(1, topi.numel())  # f_e
+        aux = E * (frac_tokens * probs.mean(0)).sum()
+        return out.view(B, T, H), (aux, counts)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        dense = cfg.dense_first_layer and layer_id == 0
+        self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size) if dense else MoE(cfg)
+
+    def forward(self, x, cos, sin, block, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, block, mask)
+        y, router = self.mlp(self.post_attention_layernorm(x))
+        return x + y, router
+
+
+@dataclass
+class CacheBlock:
+    """T new tokens per row being written into a KVCache (see KVCache.begin_block)."""
+
+    cache: KVCache
+    slots: torch.Tensor  # (B,)
+    start: torch.Tensor  # (B,) slot lengths before the block
+    write_pos: torch.Tensor  # (B, T) cache positions of the new tokens (= their default RoPE positions)
+    key_len: int  # S: keys 0..S-1 are read
+    mask: torch.Tensor  # (B, 1, T, S) bool, True = attend
+
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, T, Hkv, D) of one layer and return all keys/values (B, S, Hkv, D)."""
+        c, rows = self.cache, self.slots[:, None].expand_as(self.write_pos)
+        c.k[layer, rows, self.write_pos] = k.to(c.k.dtype)
+        c.v[layer, rows, self.write_pos] = v.to(c.v.dtype)
+        return c.k[layer, self.slots, : self.key_len].to(k.dtype), c.v[layer, self.slots, : self.key_len].to(v.dtype)
+
+    def commit(self) -> None:
+        """Advance the slot lengths past the block; callers roll back what they do not keep."""
+        self.cache.lengths[self.slots] = self.start + self.write_pos.shape[1]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """q (B, T, H, D), k/v (B, S, Hkv, D) -> (B, T, H*D). Causal when mask is None."""
+    B, T = q.shape[:2]
+    gqa = q.shape[2] != k.shape[2]
+    q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return out.transpose(1, 2).reshape(B, T, -1)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor  # (B, T, V)
+    hidden: torch.Tensor  # (B, T, H) final hidden state, after the final norm
+    taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (B, T, H)
+    aux_loss: torch.Tensor | None = None  # load-balancing loss, summed over MoE layers
+    expert_counts: torch.Tensor | None = None  # (n_moe_layers, E) token assignments per expert
+
+    def features(self, layer_ids) -> torch.Tensor:
+        """EAGLE-3 fused feature: the tapped layers concatenated, (B, T, 3H)."""
+        return torch.cat([self.taps[i] for i in layer_ids], dim=-1)
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: MoEConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([Block(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, slots: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                tap_layers=()) -> ModelOutput:
+        """input_ids (B, T).
+
+        Without a cache: a full causal forward (training, log-prob recomputation); attn_mask
+        (B, T, T) replaces the causal mask when given.
+        With a cache: the T new tokens of each row b are written to slot slots[b] at positions
+        lengths[slot] .. lengths[slot] + T - 1; they attend to the slot's cached prefix and, among
+        themselves, causally or per attn_mask (B, T, T). The slot lengths advance by T; callers
+        roll back whatever they do not keep.
+        """
+        B, T = input_ids.shape
+        if input_ids.dtype != torch.long:
+            raise TypeError(f"input_ids must be int64, got {input_ids.dtype}")
+        if attn_mask is not None and attn_mask.shape != (B, T, T):
+            raise ValueError(f"attn_mask must have shape {(B, T, T)}, got {tuple(attn_mask.shape)}")
+        block, mask = None, None
+        if cache is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
+            if positions is None:
+                positions = torch.arange(T, device=input_ids.device).expand(B, T)
+            if attn_mask is not None:
+                mask = attn_mask[:, None]
+        else:
+            if slots is not None and slots.shape != (B,):
+                raise ValueError(f"slots must have shape ({B},), got {tuple(slots.shape)}")
+            block = cache.begin_block(slots if slots is not None else cache.all_slots()[:B], T, attn_mask)
+            if positions is None:
+                positions = block.write_pos
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        x = self.embed_tokens(input_ids)
+        taps: dict[int, torch.Tensor] = {}
+        tap_set = set(tap_layers)
+        aux_total = x.new_zeros((), dtype=torch.float32)
+        counts = []
+        for i, layer in enumerate(self.layers):
+            x, router = layer(x, cos, sin, block, mask)
+            if router is not None:
+                aux_total = aux_total + router[0]
+                counts.append(router[1])
+            if i in tap_set:
+                taps[i] = x
+        if block is not None:
+            block.commit()
+        h = self.norm(x)
+        return ModelOutput(logits=self.lm_head(h), hidden=h, taps=taps, aux_loss=aux_total,
+                           expert_counts=torch.stack(counts) if counts else None)
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
