@@ -1,0 +1,162 @@
+"""Save and load EAGLE-3 drafts in the folder layout SGLang loads.
+
+  out_dir/config.json          Eagle3Config.to_sglang_config()
+  out_dir/model.safetensors    fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
+                               (no embedding: the draft reads the target's)
+
+`save_draft` writes a sibling temporary folder and swaps it in with renames, so an existing
+checkpoint is never half-overwritten. `load_draft` checks the draft against the target it
+will run with and raises DraftCheckpointError with a one-line message naming what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from draft_models.config import Eagle3Config, Eagle3ConfigError
+from draft_models.eagle3 import Eagle3Draft
+from draft_models.vocab import check_vocab
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+# Keys some trainers (SpecForge) also save; the draft always reads the target's embedding instead.
+_EMBEDDING_KEYS = ("embed_tokens.weight", "model.embed_tokens.weight")
+
+
+class DraftCheckpointError(ValueError):
+    """A draft checkpoint is unreadable or does not fit the target (one-line message)."""
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def draft_state_dict_for_sglang(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """The draft's tensors under SGLang's EAGLE-3 names (detached, contiguous, on their device).
+
+    Used for files and for runtime weight pushes (SGLang's update_weights_from_tensor maps
+    q/k/v and gate/up into its fused projections and d2t into its hot-token map by these names).
+    """
+    sd = draft.state_dict()
+    return {name: t.detach().contiguous() for name, t in sd.items() if name not in _EMBEDDING_KEYS}
+
+
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def save_draft(draft: Eagle3Draft, out_dir: str | os.PathLike) -> Path:
+    """Write the SGLang EAGLE-3 folder to out_dir (replaced atomically if it exists)."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.cpu() for k, v in draft_state_dict_for_sglang(draft).items()}
+    cfg = draft.cfg.to_sglang_config(torch_dtype=_dtype_name(draft.fc.weight.dtype))
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = out.parent / f".{out.name}.tmp-{tag}"
+    old = out.parent / f".{out.name}.old-{tag}"
+    try:
+        tmp.mkdir()
+        _write_safetensors(tensors, tmp / WEIGHTS_NAME)
+        with open(tmp / CONFIG_NAME, "w") as f:
+            json.dump(cfg, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        if out.exists():
+            os.rename(out, old)  # keep the previous checkpoint until the new one is in place
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            if old.exists() and not out.exists():
+                os.rename(old, out)
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def read_draft_config(path: str | os.PathLike, default_aux_layer_ids=None) -> Eagle3Config:
+    file = Path(path) / CONFIG_NAME
+    if not file.is_file():
+        raise DraftCheckpointError(f"{file}: missing draft config")
+    try:
+        d = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DraftCheckpointError(f"{file}: unreadable draft config ({e})") from None
+    try:
+        return Eagle3Config.from_sglang_config(d, default_aux_layer_ids)
+    except (Eagle3ConfigError, TypeError, ValueError, AttributeError) as e:
+        raise DraftCheckpointError(f"{file}: {e}") from None
+
+
+def read_draft_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    file = Path(path) / WEIGHTS_NAME
+    if not file.is_file():
+        raise DraftCheckpointError(f"{file}: missing draft weights")
+    try:
+        return load_file(str(file))
+    except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DraftCheckpointError(f"{file}: unreadable safetensors ({msg})") from None
+
+
+def _check_against_target(cfg: Eagle3Config, tcfg, where: Path) -> None:
+    checks = [
+        ("target_hidden_size", cfg.target_hidden_size, tcfg.hidden_size, "target hidden_size"),
+        ("hidden_size", cfg.hidden_size, tcfg.hidden_size, "target embedding width"),
+        ("vocab_size", cfg.vocab_size, tcfg.vocab_size, "target vocab_size"),
+        ("eagle_aux_hidden_state_layer_ids", list(cfg.aux_layer_ids), list(tcfg.feature_layer_ids),
+         "target feature_layer_ids"),
+    ]
+    for name, mine, theirs, what in checks:
+        if mine != theirs:
+            raise DraftCheckpointError(f"{where}: draft {name}={mine} does not match {what}={theirs}")
+
+
+def load_draft(path: str | os.PathLike, target_model, device=None, dtype=None) -> Eagle3Draft:
+    """Load a draft folder for `target_model` (an MoETransformer: reads .cfg and .embed_tokens)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise DraftCheckpointError(f"{root}: no such draft checkpoint folder")
+    tcfg = target_model.cfg
+    cfg = read_draft_config(root, default_aux_layer_ids=tcfg.feature_layer_ids)
+    _check_against_target(cfg, tcfg, root / CONFIG_NAME)
+    tensors = read_draft_tensors(root)
+    for k in _EMBEDDING_KEYS:
+        tensors.pop(k, None)
+    wfile = root / WEIGHTS_NAME
+    fc = tensors.get("fc.weight")
+    want_fc = (cfg.hidden_size, 3 * tcfg.hidden_size)
+    if fc is not None and tuple(fc.shape) != want_fc:
+        raise DraftCheckpointError(f"{wfile}: fc.weight shape {tuple(fc.shape)} does not match "
+                                   f"(hidden_size, 3 * target hidden_size) = {want_fc}")
+    draft = Eagle3Draft(cfg, target_model.embed_tokens)
+    expected = draft.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing:
+        raise DraftCheckpointError(f"{wfile}: missing tensors {missing[:5]}")
+    if unexpected:
+        raise DraftCheckpointError(f"{wfile}: unexpected tensors {unexpected[:5]}")
+    for name, t in expected.items():
+        if tuple(tensors[name].shape) != tuple(t.shape):
+            raise DraftCheckpointError(f"{wfile}: {name} shape {tuple(tensors[name].shape)} != expected "
+                                       f"{tuple(t.shape)} from {CONFIG_NAME}")
+    problem = check_vocab(tensors["d2t"].to(torch.long), tensors["t2d"].to(torch.bool),
+                          cfg.vocab_size, cfg.draft_vocab_size)
+    if problem:
+        raise DraftCheckpointError(f"{wfile}: {problem}")
+    if not all(bool(torch.isfinite(t).all()) for n, t in tensors.items() if t.is_floating_point()):
+        raise DraftCheckpointError(f"{wfile}: non-finite weights")
+    tensors["d2t"] = tensors["d2t"].to(torch.long)
+    tensors["t2d"] = tensors["t2d"].to(torch.bool)
+    draft.load_state_dict(tensors, strict=True)
+    draft.to(device=device if device is not None else target_model.embed_tokens.weight.device, dtype=dtype)
+    return draft

@@ -1,0 +1,146 @@
+"""Training-time test (TTT) for the EAGLE-3 draft: unroll it on its own outputs, in parallel.
+
+Indexing, for one sequence of tokens x_0..x_{T-1} with target features f_0..f_{T-1}:
+- step 0, row t: inputs (f_t, x_{t+1}), RoPE position t; predicts x_{t+2};
+- step k, row t: inputs (step k-1's pre-norm output at row t, x_{t+1+k}), RoPE position t + k;
+  predicts x_{t+2+k}, whose target distribution is the target's at position t+1+k.
+Attention of step k at row t: step-0 keys at rows <= t, plus the keys of steps 1..k at row t
+(the EAGLE-3 diagonal). This is exactly what inference computes when the draft, having run
+step 0 over a prefix ending at row t, appends one entry per further step at the next cache
+position: row t of step k equals inference on the prefix x_0..x_{t+1} after k chained steps
+(tests/test_draft_model.py checks it for every t, with cache rollback).
+
+Loss at (step k, row t) is counted when x_{t+2+k} exists (t <= T-3-k) and
+loss_mask[:, t+2+k] (loss_mask marks the tokens to predict, e.g. response tokens; right
+padding must carry loss_mask 0).
+"""
+from __future__ import annotations
+
+import torch
+
+from draft_models.vocab import draft_to_target_ids, restrict_to_draft, target_to_draft_ids
+
+
+def shift_left(input_ids: torch.Tensor, k: int, pad: int = 0) -> torch.Tensor:
+    """out[:, t] = input_ids[:, t + k], `pad` past the end."""
+    if k == 0:
+        return input_ids
+    out = torch.full_like(input_ids, pad)
+    if k < input_ids.shape[1]:
+        out[:, : input_ids.shape[1] - k] = input_ids[:, k:]
+    return out
+
+
+def ttt_unroll(draft, features: torch.Tensor, input_ids: torch.Tensor, steps: int | None = None):
+    """Run `steps` TTT steps -> list of (prenorm (B, T, H), logits (B, T, Vd)), one per step."""
+    steps = steps or draft.cfg.ttt_steps
+    B, T = input_ids.shape
+    device = input_ids.device
+    rows = torch.arange(T, device=device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    diag = torch.eye(T, dtype=torch.bool, device=device)
+    hidden = features.detach()
+    keys, values, outs = [], [], []
+    for k in range(steps):
+        h, q, kk, vv = draft.prepare(shift_left(input_ids, 1 + k), hidden, (rows + k).expand(B, T),
+                                     project=(k == 0))
+        keys.append(kk)
+        values.append(vv)
+        if k == 0:
+            prenorm, logits = draft.finish(h, q, kk, vv, None)  # plain causal
+        else:
+            mask = torch.cat([causal] + [diag] * k, dim=1)[None, None]  # (1, 1, T, (k+1) T)
+            prenorm, logits = draft.finish(h, q, torch.cat(keys, 1), torch.cat(values, 1), mask)
+        outs.append((prenorm, logits))
+        hidden = prenorm
+    return outs
+
+
+def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor | None,
+             loss_mask: torch.Tensor, steps: int | None = None, *, acceptance_weight: float = 0.0,
+             decay: float | None = None):
+    """TTT loss -> (loss (scalar tensor), metrics dict of floats).
+
+    features (B, T, 3 * H_target) fused target features (detached here).
+    input_ids (B, T) the sequence x_0..x_{T-1}.
+    target_logp: the target's log-probs at every position, (B, T, V) over the full vocabulary or
+      (B, T, Vd) already restricted to the draft vocabulary (not renormalised, as
+      capture_features stores them); None trains on the hard labels x_{t+2+k}.
+    loss_mask (B, T) bool or float weights on the predicted tokens.
+    Per step k: soft cross-entropy against the target restricted to the draft vocabulary and
+    renormalised, masked mean over valid rows, weight decay**k; summed over steps. With
+    acceptance_weight > 0 the step loss also subtracts acceptance_weight * E[sum_x min(p(x), q(x))]
+    (p: the target's unrenormalised probability, q: the draft's).
+    Metrics: loss, and per step k: ce_k, acc_k (draft argmax == target argmax, in target ids;
+    the target argmax is over the vocabulary target_logp covers), accept_k (mean sum min(p, q)),
+    n_k (valid rows).
+    """
+    cfg = draft.cfg
+    steps = steps or cfg.ttt_steps
+    decay = cfg.ttt_decay if decay is None else decay
+    B, T = input_ids.shape
+    if features.shape[:2] != (B, T) or loss_mask.shape != (B, T):
+        raise ValueError(f"features {tuple(features.shape)} and loss_mask {tuple(loss_mask.shape)} "
+                         f"must match input_ids {(B, T)}")
+    d2t, t2d, Vd = draft.d2t, draft.t2d, cfg.draft_vocab_size
+    weights = loss_mask.to(torch.float32)
+
+    if target_logp is not None:
+        tl = target_logp.detach().float()
+        if tl.shape[:2] != (B, T):
+            raise ValueError(f"target_logp {tuple(tl.shape)} must match input_ids {(B, T)}")
+        if tl.shape[-1] == Vd:
+            p_logp = tl
+            tgt_arg = draft_to_target_ids(tl.argmax(-1), d2t)
+        elif tl.shape[-1] == cfg.vocab_size:
+            p_logp = restrict_to_draft(tl, d2t)
+            tgt_arg = tl.argmax(-1)
+        else:
+            raise ValueError(f"target_logp last dim {tl.shape[-1]} is neither vocab_size {cfg.vocab_size} "
+                             f"nor draft_vocab_size {Vd}")
+        p_soft = torch.softmax(p_logp, dim=-1)  # restricted and renormalised
+        p_raw = p_logp.exp()  # the target's own probability of each draft token
+    else:
+        tgt_arg = shift_left(input_ids, 1)  # position j -> token j+1
+        label_d = target_to_draft_ids(tgt_arg, t2d)
+
+    outs = ttt_unroll(draft, features, input_ids, steps)
+    total = features.new_zeros((), dtype=torch.float32)
+    stats = []
+    for k, (_, logits) in enumerate(outs):
+        n = T - 2 - k  # rows t = 0..n-1 have a token x_{t+2+k} to predict
+        if n <= 0:
+            stats.append(torch.zeros(4, device=input_ids.device))
+            continue
+        logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # (B, n, Vd)
+        j = slice(1 + k, 1 + k + n)  # target positions t+1+k
+        m = weights[:, 2 + k: 2 + k + n]
+        if target_logp is not None:
+            ce = -(p_soft[:, j] * logq).sum(-1)
+            m_ce = m
+            accept = torch.minimum(p_raw[:, j], logq.exp()).sum(-1)
+        else:
+            lab = label_d[:, j]
+            inv = lab >= 0
+            ce = -logq.gather(-1, lab.clamp_min(0)[..., None])[..., 0]
+            m_ce = m * inv
+            accept = logq.exp().gather(-1, lab.clamp_min(0)[..., None])[..., 0] * inv
+        denom, denom_ce = m.sum().clamp_min(1.0), m_ce.sum().clamp_min(1.0)
+        step_loss = (ce * m_ce).sum() / denom_ce
+        mean_accept = (accept * m).sum() / denom
+        if acceptance_weight:
+            step_loss = step_loss - acceptance_weight * mean_accept
+        total = total + (decay ** k) * step_loss
+        with torch.no_grad():
+            hit = (draft_to_target_ids(logq.argmax(-1), d2t) == tgt_arg[:, j]).float()
+            stats.append(torch.stack([(ce * m_ce).sum() / denom_ce, (hit * m).sum() / denom,
+                                      mean_accept, m.sum()]).detach())
+    values = torch.cat([total.detach().reshape(1), torch.stack(stats).reshape(-1)]).cpu().tolist()  # one sync
+    metrics: dict = {"loss": values[0]}
+    values = [values[1 + 4 * k: 5 + 4 * k] for k in range(len(stats))]
+    for k, (ce, acc, acc_rate, n) in enumerate(values):
+        metrics[f"ce_{k}"] = ce
+        metrics[f"acc_{k}"] = acc
+        metrics[f"accept_{k}"] = acc_rate
+        metrics[f"n_{k}"] = n
+    return total, metrics

@@ -1,0 +1,5 @@
+import sys
+
+from specrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,60 @@
+"""Named run presets: every size and step count an experiment uses lives here, in one place."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from target_training.grpo import GRPOConfig
+from target_training.sft import SFTConfig
+
+
+class PresetError(ValueError):
+    pass
+
+
+@dataclass
+class RunPreset:
+    model: str  # a key of target_training.config.PRESETS
+    sft: SFTConfig
+    grpo: GRPOConfig
+    rl_steps: int
+    prompts_per_step: int
+    group_size: int
+    max_new_tokens: int
+    temperature: float = 1.0
+    eval_prompts: int = 64
+    checkpoint_every: int = 5
+    max_batch: int = 64
+    task_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
+                     "checkpoint_every", "max_batch"):
+            if getattr(self, name) <= 0:
+                raise PresetError(f"preset field {name} must be positive, got {getattr(self, name)}")
+        if self.group_size < 2:
+            raise PresetError(f"GRPO needs group_size >= 2, got {self.group_size}")
+
+    def with_overrides(self, **kw) -> "RunPreset":
+        return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+RL_PRESETS: dict[str, RunPreset] = {
+    # CI-sized: seconds. Used by the tests.
+    "ci": RunPreset(model="tiny", sft=SFTConfig(steps=60, batch_size=16, lr=3e-3, n_examples=512),
+                    grpo=GRPOConfig(lr=3e-4), rl_steps=2, prompts_per_step=4, group_size=4,
+                    max_new_tokens=48, eval_prompts=16, checkpoint_every=1, max_batch=16),
+    # The quick CPU run: a few minutes on 2 cores.
+    "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
+                       grpo=GRPOConfig(lr=2e-4), rl_steps=30, prompts_per_step=8, group_size=8,
+                       max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64),
+    "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
+                      grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
+                      max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64),
+}
+
+
+def get_preset(name: str) -> RunPreset:
+    if name not in RL_PRESETS:
+        raise PresetError(f"unknown preset {name!r}; choose from {sorted(RL_PRESETS)}")
+    return RL_PRESETS[name]

@@ -1,0 +1,143 @@
+"""`specrl train-rl`: SFT warm start (cached), then GRPO steps on a verifiable task.
+
+The loop in `train_rl` is the whole RL algorithm at a glance: rollout, reward, update,
+log, checkpoint. Outputs in the run folder: metrics.jsonl (one row per step), summary.json,
+and ckpt/ (the latest resumable state).
+"""
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+from specrl.presets import RunPreset, get_preset
+from target_training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from target_training.config import model_config_for
+from target_training.grpo import GRPOTrainer
+from target_training.sft import default_cache_dir, warm_start
+from target_training.tasks import get_task
+from target_training.tokenizer import CharTokenizer
+
+
+class RunDirError(ValueError):
+    pass
+
+
+def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print):
+    tokenizer = CharTokenizer()
+    task = get_task(task_name, **preset.task_kwargs)
+    model_cfg = model_config_for(preset.model, tokenizer.vocab_size)
+    task_spec = {"name": task_name, **preset.task_kwargs}
+    policy, sft_info = warm_start(task, task_spec, tokenizer, model_cfg, preset.sft, cache_dir, log=log)
+    return tokenizer, task, policy, sft_info
+
+
+def encode_prompts(tokenizer, examples) -> list[list[int]]:
+    return [[tokenizer.bos_id] + tokenizer.encode(ex.prompt) for ex in examples]
+
+
+def rollout_params(preset: RunPreset, tokenizer, seed: int, greedy: bool = False) -> SamplingParams:
+    return SamplingParams(temperature=0.0 if greedy else preset.temperature, max_new_tokens=preset.max_new_tokens,
+                          stop_token_ids=(tokenizer.eos_id,), seed=seed)
+
+
+def score(task, tokenizer, examples, trajectories) -> list[float]:
+    return [task.reward(ex, tokenizer.decode(t.token_ids)) for ex, t in zip(examples, trajectories)]
+
+
+def evaluate(engine, task, tokenizer, examples, preset: RunPreset, seed: int) -> float:
+    """Mean greedy reward on held-out examples."""
+    trajs = engine.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed, greedy=True))
+    rewards = score(task, tokenizer, examples, trajs)
+    return sum(rewards) / len(rewards)
+
+
+def step_examples(task, pool, preset: RunPreset, seed: int, step: int):
+    """The prompts of RL step `step`, each repeated group_size times (deterministic in seed, step)."""
+    rng = random.Random(seed * 100_003 + step)
+    chosen = rng.sample(pool, preset.prompts_per_step)
+    return [ex for ex in chosen for _ in range(preset.group_size)]
+
+
+def prepare_run_dir(out: Path, resume: bool) -> None:
+    has_run = (out / "metrics.jsonl").exists() or (out / "ckpt").exists()
+    if has_run and not resume:
+        raise RunDirError(f"output folder {out} already holds a run; pass --resume to continue it or choose another --out")
+    if resume and not (out / "ckpt").exists():
+        raise RunDirError(f"--resume given but {out}/ckpt does not exist")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop rows logged after the checkpoint so the file has one row per step."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(r + "\n" for r in rows))
+    tmp.replace(path)
+
+
+def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int = 0, resume: bool = False,
+             steps: int | None = None, cache_dir: Path | None = None, progress: bool = True, log=print) -> dict:
+    t_start = time.perf_counter()
+    preset = get_preset(preset_name).with_overrides(rl_steps=steps)
+    out = Path(out_dir)
+    prepare_run_dir(out, resume)
+    torch.manual_seed(seed)
+    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir or default_cache_dir(), log)
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
+    trainer = GRPOTrainer(policy, preset.grpo)
+    heldout = task.examples("heldout", preset.eval_prompts, seed)
+    pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
+
+    start_step, reward_start = 0, None
+    if resume:
+        ckpt_model, _, _, state = load_checkpoint(out / "ckpt", policy.cfg)
+        policy.load_state_dict(ckpt_model.state_dict())
+        trainer.load_state_dict(state["trainer"])
+        torch.set_rng_state(state["torch_rng"])
+        start_step, reward_start = state["trainer"]["step"], state["reward_start"]
+        truncate_metrics(out / "metrics.jsonl", start_step - 1)
+        log(f"[rl] resumed from {out / 'ckpt'} at step {start_step}")
+    if reward_start is None:
+        reward_start = evaluate(engine, task, tokenizer, heldout, preset, seed)
+    log(f"[rl] held-out reward at start: {reward_start:.3f}")
+
+    bar = tqdm(range(start_step, preset.rl_steps), desc="grpo", disable=not progress, initial=start_step,
+               total=preset.rl_steps)
+    for step in bar:
+        t0 = time.perf_counter()
+        examples = step_examples(task, pool, preset, seed, step)
+        ids = [step * len(examples) + i for i in range(len(examples))]
+        trajs = engine.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed),
+                                request_ids=ids)
+        gen = dict(engine.last_stats)
+        rewards = score(task, tokenizer, examples, trajs)
+        metrics = trainer.step(trajs, rewards, preset.group_size)
+        row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], "rollout_s": gen["wall_s"],
+               "step_s": time.perf_counter() - t0}
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+        bar.set_postfix(reward=f"{row['reward']:.2f}", len=f"{row['response_len']:.0f}")
+        if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.rl_steps:
+            save_checkpoint(out / "ckpt", policy, policy.cfg, optimizer=None,
+                            state={"trainer": trainer.state_dict(), "torch_rng": torch.get_rng_state(),
+                                   "reward_start": reward_start})
+
+    reward_end = evaluate(engine, task, tokenizer, heldout, preset, seed)
+    summary = {"task": task_name, "preset": preset_name, "seed": seed, "rl_steps": preset.rl_steps,
+               "reward_start": reward_start, "reward_end": reward_end, "eval_prompts": len(heldout),
+               "sft_cached": sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"[rl] held-out reward: start {reward_start:.3f} -> end {reward_end:.3f} ({summary['wall_s']:.0f}s)")
+    return summary
+
+
+__all__ = ["train_rl", "RunDirError", "CheckpointError"]

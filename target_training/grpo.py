@@ -1,0 +1,211 @@
+"""GRPO for the MoE policy: group-relative advantages, clipped ratio, optional KL, router loss.
+
+The trainer consumes `rollout.protocol.Trajectory`-shaped data (prompt ids, generated ids,
+the engine's log-probs) but imports nothing from `rollout`: anything with those attributes
+works. The engine's log-probs are the "old" log-probs; on the first epoch the recomputed
+ones must match them (tests/test_grpo.py checks fp32 max |diff| <= 1e-5), which is what makes
+the update truly on-policy.
+
+Feature hooks: callables registered in `logprob_hooks` receive every log-prob forward's
+(input_ids, ModelOutput, response_mask); specrl's co-training uses them to take target
+features from the trainer's own forward instead of paying for another one.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from target_training.model import ModelOutput, MoETransformer
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0  # > 0 needs a reference model
+    max_grad_norm: float = 1.0
+    ppo_epochs: int = 1
+    minibatch_size: int = 0  # sequences per optimizer step; 0 = the whole batch
+    aux_loss_coef: float | None = None  # router load-balancing weight; None = model config's
+    temperature: float = 1.0  # must equal the rollout temperature
+    adv_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        for name in ("lr", "clip_eps", "max_grad_norm", "temperature"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"GRPOConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.ppo_epochs <= 0 or self.minibatch_size < 0 or self.kl_coef < 0:
+            raise ValueError("GRPOConfig: ppo_epochs must be positive, minibatch_size and kl_coef non-negative")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """(N,) rewards in consecutive groups of group_size -> (N,) normalised advantages."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    g = rewards.view(-1, group_size).float()
+    adv = (g - g.mean(1, keepdim=True)) / (g.std(1, keepdim=True, unbiased=False) + eps)
+    return adv.view(-1)
+
+
+def pack_batch(trajectories: Sequence, pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded (B, T) ids; response_mask[b, j] marks generated tokens; old_logp aligned with it."""
+    lengths = [len(t.prompt_ids) + len(t.token_ids) for t in trajectories]
+    B, T = len(trajectories), max(lengths)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    old = torch.zeros(B, T, dtype=torch.float32)
+    for b, t in enumerate(trajectories):
+        P, n = len(t.prompt_ids), len(t.token_ids)
+        ids[b, : P + n] = torch.tensor(list(t.prompt_ids) + list(t.token_ids))
+        mask[b, P : P + n] = True
+        old[b, P : P + n] = torch.as_tensor(t.logprobs, dtype=torch.float32)
+    return {"input_ids": ids, "response_mask": mask, "old_logp": old}
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (B, T, V) of a full forward -> logp (B, T) of token j given tokens < j (0 at j = 0),
+    and the entropy (B, T) of that predictive distribution."""
+    logp_all = (logits[:, :-1].float() / temperature).log_softmax(-1)  # (B, T-1, V)
+    lp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
+    ent = -(logp_all.exp() * logp_all).sum(-1)
+    pad = lp.new_zeros(lp.shape[0], 1)
+    return torch.cat([pad, lp], 1), torch.cat([pad, ent], 1)
+
+
+def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0):
+    """Token-level clipped surrogate (mean over response tokens), optional k3 KL to a reference."""
+    m = mask.float()
+    n = m.sum().clamp(min=1)
+    ratio = torch.exp(logp - old_logp)
+    a = adv[:, None]
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    pg_loss = -(surrogate * m).sum() / n
+    loss = pg_loss
+    kl = torch.zeros(())
+    if ref_logp is not None:
+        d = ref_logp - logp
+        kl = ((torch.exp(d) - d - 1) * m).sum() / n
+        loss = loss + kl_coef * kl
+    clip_frac = (((ratio - 1).abs() > clip_eps).float() * m).sum() / n
+    return loss, {"pg_loss": pg_loss.item(), "kl_ref": kl.item(), "clip_frac": clip_frac.item()}
+
+
+def router_balance(expert_counts: torch.Tensor | None) -> float:
+    """Normalised entropy of the per-layer expert load, averaged over MoE layers (1.0 = uniform)."""
+    if expert_counts is None:
+        return 1.0
+    frac = expert_counts.float() / expert_counts.sum(-1, keepdim=True).clamp(min=1)
+    ent = -(frac * frac.clamp(min=1e-12).log()).sum(-1)
+    return (ent / math.log(expert_counts.shape[-1])).mean().item()
+
+
+class GRPOTrainer:
+    def __init__(self, model: MoETransformer, config: GRPOConfig, *, ref_model: MoETransformer | None = None,
+                 accelerator=None):
+        if config.kl_coef > 0 and ref_model is None:
+            raise ValueError("GRPOConfig.kl_coef > 0 needs a reference model")
+        self.config = config
+        self.ref_model = ref_model.eval().requires_grad_(False) if ref_model is not None else None
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+        self.accelerator = accelerator
+        if accelerator is not None:
+            model, self.optimizer = accelerator.prepare(model, self.optimizer)
+        self.model = model
+        self.step_count = 0
+        self.logprob_hooks: list[Callable[[torch.Tensor, ModelOutput, torch.Tensor], None]] = []
+        self.tap_layers: tuple[int, ...] = ()  # set by whoever registers a feature hook
+
+    @property
+    def unwrapped(self) -> MoETransformer:
+        return self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def forward_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor, *, run_hooks: bool = True):
+        out = self.model(input_ids, tap_layers=self.tap_layers if run_hooks and self.logprob_hooks else ())
+        logp, ent = token_logprobs(out.logits, input_ids, self.config.temperature)
+        if run_hooks:
+            for hook in self.logprob_hooks:
+                hook(input_ids, out, response_mask)
+        return logp, ent, out
+
+    @torch.no_grad()
+    def recompute_logprobs(self, trajectories) -> torch.Tensor:
+        """Trainer-side log-probs of the generated tokens, (B, T) aligned with pack_batch."""
+        batch = pack_batch(trajectories)
+        logp, _, _ = self.forward_logprobs(batch["input_ids"].to(self.device), batch["response_mask"].to(self.device),
+                                           run_hooks=False)
+        return logp.cpu() * batch["response_mask"]
+
+    def step(self, trajectories: Sequence, rewards: Sequence[float], group_size: int) -> dict:
+        """One GRPO update on a rollout batch (groups of group_size consecutive trajectories)."""
+        cfg = self.config
+        dev = self.device
+        batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
+        adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), group_size, cfg.adv_eps).to(dev)
+        ref_logp = None
+        if self.ref_model is not None:
+            with torch.no_grad():
+                ref_logp, _ = token_logprobs(self.ref_model(batch["input_ids"]).logits, batch["input_ids"], cfg.temperature)
+        aux_coef = cfg.aux_loss_coef if cfg.aux_loss_coef is not None else self.unwrapped.cfg.router_aux_loss_coef
+        B = batch["input_ids"].shape[0]
+        mb = cfg.minibatch_size or B
+        sums: dict[str, float] = {}
+        n_updates = 0
+        self.model.train()
+        for epoch in range(cfg.ppo_epochs):
+            for lo in range(0, B, mb):
+                sl = slice(lo, lo + mb)
+                logp, ent, out = self.forward_logprobs(batch["input_ids"][sl], batch["response_mask"][sl],
+                                                       run_hooks=epoch == 0)
+                mask = batch["response_mask"][sl]
+                loss, m = grpo_loss(logp, batch["old_logp"][sl], adv[sl], mask, cfg.clip_eps,
+                                    ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef)
+                loss = loss + aux_coef * out.aux_loss
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.accelerator is not None:
+                    self.accelerator.backward(loss)
+                else:
+                    loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                mf = mask.float()
+                m.update(loss=loss.item(), aux_loss=out.aux_loss.item(), grad_norm=grad_norm.item(),
+                         entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
+                         kl_old=((batch["old_logp"][sl] - logp.detach()) * mf).sum().item() / mf.sum().clamp(min=1).item(),
+                         router_balance=router_balance(out.expert_counts))
+                for k, v in m.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                n_updates += 1
+        self.model.eval()
+        self.step_count += 1
+        metrics = {k: v / n_updates for k, v in sums.items()}
+        metrics["reward"] = float(torch.as_tensor(rewards, dtype=torch.float32).mean())
+        metrics["response_len"] = float(batch["response_mask"].sum(1).float().mean())
+        return metrics
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count = int(state["step"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+def sft_loss(model: MoETransformer, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on the positions loss_mask marks (the completion), (B, T) inputs."""
+    out = model(input_ids)
+    logits = out.logits[:, :-1]
+    target = input_ids[:, 1:]
+    m = loss_mask[:, 1:].float()
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none")
+    return (ce.view_as(m) * m).sum() / m.sum().clamp(min=1) + model.cfg.router_aux_loss_coef * out.aux_loss

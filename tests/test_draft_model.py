@@ -1,0 +1,259 @@
+"""EAGLE-3 draft head: layout, vocabulary maps, cache consistency, TTT semantics, training."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draft_models.config import Eagle3Config, Eagle3ConfigError
+from draft_models.eagle3 import Eagle3Draft
+from draft_models.train import capture_features, train_offline
+from draft_models.ttt import ttt_loss, ttt_unroll
+from draft_models.vocab import (build_draft_vocab, draft_logits_to_target, restrict_logprobs, restrict_probs,
+                                target_to_draft_ids)
+from target_training.config import model_config_for
+
+V, VD = 64, 40
+
+SGLANG_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+def make_pair(seed: int = 0, draft_vocab: int = VD):
+    torch.manual_seed(seed)
+    target = model_config_for("tiny", V).build().eval()
+    draft = Eagle3Config.for_target(target.cfg, draft_vocab).build(target.embed_tokens)
+    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (V,)), V, draft_vocab, always_include=(0, 1))
+    draft.set_vocab(d2t, t2d)
+    with torch.no_grad():  # larger weights than the init so that outputs differ visibly
+        for p in draft.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.08)
+    return target, draft.eval()
+
+
+def target_inputs(target, B, T, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    with torch.no_grad():
+        out = target(ids, tap_layers=target.cfg.feature_layer_ids)
+    return ids, out.features(target.cfg.feature_layer_ids), torch.log_softmax(out.logits, -1)
+
+
+def test_parameter_names_match_sglang_layout_and_embedding_is_not_owned():
+    target, draft = make_pair()
+    assert set(draft.state_dict()) == SGLANG_KEYS
+    names = {n for n, _ in draft.named_parameters()}
+    assert names == SGLANG_KEYS - {"d2t", "t2d"}
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert not any(p.data_ptr() in target_ptrs for p in draft.parameters())
+    assert draft.embed_tokens is target.embed_tokens  # by reference
+    assert target.embed_tokens.weight.requires_grad  # the policy's embedding is untouched
+    assert draft.fc.weight.shape == (64, 3 * 64)
+    assert draft.midlayer.self_attn.q_proj.weight.shape[1] == 2 * 64
+    assert draft.lm_head.weight.shape == (VD, 64)
+    assert draft.d2t.dtype == torch.long and draft.t2d.dtype == torch.bool
+
+
+def test_config_sglang_round_trip_and_validation():
+    target, draft = make_pair()
+    d = draft.cfg.to_sglang_config(torch_dtype="bfloat16")
+    assert d["architectures"] == ["LlamaForCausalLMEagle3"] and d["model_type"] == "llama"
+    assert d["num_hidden_layers"] == 1 and d["tie_word_embeddings"] is False and d["hidden_act"] == "silu"
+    assert d["vocab_size"] == V and d["draft_vocab_size"] == VD and d["target_hidden_size"] == 64
+    assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(target.cfg.feature_layer_ids)
+    assert d["torch_dtype"] == "bfloat16" and d["num_key_value_heads"] == target.cfg.num_kv_heads
+    assert Eagle3Config.from_sglang_config(d) == draft.cfg
+    with pytest.raises(Eagle3ConfigError, match="hidden_size"):
+        Eagle3Config.for_target(target.cfg, VD, hidden_size=0)
+    with pytest.raises(Eagle3ConfigError, match="num_kv_heads"):
+        Eagle3Config.for_target(target.cfg, VD, num_kv_heads=3)
+    with pytest.raises(Eagle3ConfigError, match="draft_vocab_size"):
+        Eagle3Config.for_target(target.cfg, V + 1)
+    with pytest.raises(Eagle3ConfigError, match="ttt_decay"):
+        Eagle3Config.for_target(target.cfg, VD, ttt_decay=0.0)
+
+
+def test_draft_vocab_maps():
+    seqs = [[5, 5, 5, 9, 9, 2], [9, 7, 5, 9]]
+    d2t, t2d = build_draft_vocab(seqs, 12, 4, always_include=(11,))
+    chosen = torch.arange(4) + d2t
+    # counts: 5 -> 4, 9 -> 4, 2 -> 1, 7 -> 1; 11 forced; the last slot goes to the lower tied id.
+    assert chosen.tolist() == [2, 5, 9, 11]
+    d2t2, _ = build_draft_vocab(seqs, 12, 4)
+    assert (torch.arange(4) + d2t2).tolist() == [2, 5, 7, 9]
+    assert t2d.tolist() == [i in (2, 5, 9, 11) for i in range(12)]
+    logits = torch.randn(3, 4)
+    full = draft_logits_to_target(logits, d2t, 12)
+    assert torch.equal(full[:, chosen], logits) and torch.isinf(full[:, ~t2d]).all()
+    assert target_to_draft_ids(torch.tensor([5, 6, 11]), t2d).tolist() == [1, -1, 3]
+    logp = torch.log_softmax(torch.randn(2, 12), -1)
+    r = restrict_logprobs(logp, d2t)
+    assert torch.allclose(r.exp().sum(-1), torch.ones(2))
+    assert torch.allclose(restrict_probs(logp.exp(), d2t), r.exp(), atol=1e-6)
+    counts = torch.zeros(12, dtype=torch.long)
+    counts[[3, 4]] = 10
+    assert (torch.arange(2) + build_draft_vocab(counts, 12, 2)[0]).tolist() == [3, 4]
+
+
+def test_forward_alignment_causality_and_fc_switch():
+    target, draft = make_pair()
+    ids, feats, _ = target_inputs(target, 2, 10)
+    x, h = ids[:, 1:], feats[:, :-1]  # draft position t: feature t with token t+1
+    pre, logits = draft(x, h)
+    assert pre.shape == (2, 9, 64) and logits.shape == (2, 9, VD)
+    x2 = x.clone()
+    x2[:, 6] = (x2[:, 6] + 1) % V
+    pre2, _ = draft(x2, h)
+    assert torch.equal(pre2[:, :6], pre[:, :6]) and not torch.allclose(pre2[:, 6], pre[:, 6])
+    # own outputs (width H) skip fc; a fused feature goes through it
+    pre3, _ = draft(x, draft.fc(h))
+    assert torch.allclose(pre3, pre, atol=1e-6)
+    with pytest.raises(ValueError, match="width"):
+        draft(x, h[..., :10])
+    tl = draft.to_target_logits(logits)
+    assert tl.shape == (2, 9, V) and torch.equal(tl.argmax(-1), draft.d2t[logits.argmax(-1)] + logits.argmax(-1))
+
+
+def test_cache_incremental_equals_full_forward_with_ragged_rollback_and_tree():
+    target, draft = make_pair()
+    ids, feats, _ = target_inputs(target, 2, 13)
+    x, h = ids[:, 1:], feats[:, :-1]
+    T = x.shape[1]
+    with torch.no_grad():
+        full_pre, full_logits = draft(x, h)
+        cache = draft.new_cache(2, 32)
+        # ragged: row 0 prefills 5 then goes one by one, row 1 prefills 8; garbage then rollback
+        p0, _ = draft(x[:1, :5], h[:1, :5], cache=cache, slots=torch.tensor([0]))
+        p1, _ = draft(x[1:, :8], h[1:, :8], cache=cache, slots=torch.tensor([1]))
+        assert (full_pre[0, :5] - p0[0]).abs().max() < 1e-5 and (full_pre[1, :8] - p1[0]).abs().max() < 1e-5
+        draft(torch.zeros(2, 3, dtype=torch.long), torch.randn(2, 3, 64), cache=cache)  # junk, both rows
+        cache.rollback(torch.tensor([0, 1]), torch.tensor([5, 8]))
+        outs = {0: [], 1: []}
+        for step in range(8):
+            for row, start in ((0, 5), (1, 8)):
+                t = start + step
+                if t >= T:
+                    continue
+                pre, lg = draft(x[row:row + 1, t:t + 1], h[row:row + 1, t:t + 1], cache=cache,
+                                slots=torch.tensor([row]))
+                assert (pre[0, 0] - full_pre[row, t]).abs().max() < 1e-5
+                assert (lg[0, 0] - full_logits[row, t]).abs().max() < 1e-5
+                outs[row].append(t)
+        assert outs[0][-1] == T - 1 and cache.lengths.tolist() == [T, T]
+        # tree block: after the 6-long prefix, two siblings (each sees prefix + itself) equal
+        # appending either one alone; an explicit causal mask equals the default
+        tree = torch.tensor([[True, False], [False, True]])[None].expand(2, 2, 2)
+        cache.rollback(torch.tensor([0, 1]), torch.tensor([6, 6]))
+        pre_tree, _ = draft(x[:, 6:8], h[:, 6:8], cache=cache, attn_mask=tree,
+                            positions=torch.full((2, 2), 6))  # siblings share their depth's RoPE position
+        cache.rollback(torch.tensor([0, 1]), torch.tensor([6, 6]))
+        pre_b, _ = draft(x[:, 7:8], h[:, 7:8], cache=cache)
+        assert (pre_tree[:, 1] - pre_b[:, 0]).abs().max() < 1e-5
+        assert (pre_tree[:, 0] - full_pre[:, 6]).abs().max() < 1e-5
+        causal = torch.ones(T, T, dtype=torch.bool).tril().expand(2, T, T)
+        assert torch.allclose(draft(x, h, attn_mask=causal)[0], full_pre, atol=1e-6)
+
+
+def test_ttt_steps_equal_chained_inference_with_cache():
+    """Step k at row t of TTT == inference that ran step 0 over rows 0..t, then k chained steps,
+    each appending one entry at the next cache position and feeding its pre-norm output back
+    (tokens teacher-forced to x_{t+1+k}). Checked for every row t via cache rollback."""
+    target, draft = make_pair()
+    ids, feats, _ = target_inputs(target, 2, 11)
+    B, T = ids.shape
+    K = 4
+    with torch.no_grad():
+        outs = ttt_unroll(draft, feats, ids, steps=K)
+        x0 = torch.cat([ids[:, 1:], torch.zeros(B, 1, dtype=torch.long)], 1)
+        assert torch.allclose(outs[0][1], draft(x0, feats)[1], atol=1e-6)  # step 0 == plain causal forward
+        cache = draft.new_cache(B, T + K)
+        checked = 0
+        for t in range(T - 1 - K + 1):
+            # step 0 over the whole sequence (the chained steps of the previous t overwrote
+            # entries), then keep the prefix 0..t: what inference holds after verifying x_{t+1}
+            cache.reset(torch.arange(B))
+            pre0, _ = draft(x0, feats, cache=cache)
+            cache.rollback(torch.arange(B), torch.full((B,), t + 1))
+            hid = pre0[:, t:t + 1]
+            for k in range(1, K):
+                if t + 1 + k >= T:
+                    break
+                hid, lg = draft(ids[:, t + 1 + k: t + 2 + k], hid, cache=cache)
+                assert (lg[:, 0] - outs[k][1][:, t]).abs().max() < 1e-5, (t, k)
+                assert (hid[:, 0] - outs[k][0][:, t]).abs().max() < 1e-5, (t, k)
+                checked += 1
+        assert checked >= 15
+
+
+def test_ttt_loss_targets_masks_and_gradient_isolation():
+    target, draft = make_pair()
+    ids, feats, logp = target_inputs(target, 2, 12)
+    mask = torch.ones(2, 12, dtype=torch.bool)
+    mask[:, :3] = False  # a prompt
+    loss_full, m_full = ttt_loss(draft, feats, ids, logp, mask, steps=3)
+    restricted = logp[..., torch.arange(VD) + draft.d2t]  # what capture_features stores
+    loss_r, m_r = ttt_loss(draft, feats, ids, restricted, mask, steps=3)
+    assert torch.allclose(loss_full, loss_r, atol=1e-5) and m_full["n_0"] == 2 * 9 and m_full["n_2"] == 2 * 8  # tokens 4..11
+    assert abs(m_full["accept_1"] - m_r["accept_1"]) < 1e-6
+    # weights: 1 + 0.8 + 0.64 of the per-step cross-entropies
+    want = sum(draft.cfg.ttt_decay ** k * m_full[f"ce_{k}"] for k in range(3))
+    assert abs(loss_full.item() - want) < 1e-4
+    loss_a, m_a = ttt_loss(draft, feats, ids, logp, mask, steps=3, acceptance_weight=0.5)
+    want_a = want - 0.5 * sum(draft.cfg.ttt_decay ** k * m_full[f"accept_{k}"] for k in range(3))
+    assert abs(loss_a.item() - want_a) < 1e-4
+    zero, m0 = ttt_loss(draft, feats, ids, logp, torch.zeros_like(mask), steps=2)
+    assert zero.item() == 0.0 and m0["n_0"] == 0
+    # hard labels; gradients reach only the draft
+    feats_g = feats.clone().requires_grad_(True)
+    loss_h, m_h = ttt_loss(draft, feats_g, ids, None, mask, steps=3)
+    assert 0.0 <= m_h["acc_0"] <= 1.0
+    target.zero_grad(set_to_none=True)
+    (loss_h + loss_full).backward()
+    assert all(p.grad is None for p in target.parameters())
+    assert feats_g.grad is None
+    assert all(p.grad is not None for p in draft.parameters())
+
+
+def _periodic_sequences(n: int, T: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    seqs = []
+    for i in range(n):
+        period = 3 + i % 4
+        pattern = (torch.randperm(V - 8, generator=g)[:period] + 8).tolist()
+        seqs.append([1] + [pattern[j % period] for j in range(T - 1)])
+    return seqs
+
+
+def test_train_offline_learns_periodic_target():
+    torch.manual_seed(0)
+    target = model_config_for("tiny", V).build()
+    seqs = _periodic_sequences(8, 40)
+    data_ids = torch.tensor(seqs)
+    opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+    for _ in range(60):  # make the target confident on its data, as a trained policy is
+        out = target(data_ids[:, :-1])
+        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), data_ids[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    target.eval()
+    d2t, t2d = build_draft_vocab(seqs, V, 48, always_include=(0, 1))
+    draft = Eagle3Config.for_target(target.cfg, 48, ttt_steps=3).build(target.embed_tokens)
+    draft.set_vocab(d2t, t2d)
+    masks = [[0] * 4 + [1] * 36 for _ in seqs]
+    data = capture_features(target, seqs, masks, batch_size=4, d2t=draft.d2t)
+    assert data[0]["features"].dtype == torch.bfloat16 and data[0]["target_logp"].dtype == torch.float16
+    assert data[0]["target_logp"].shape == (40, 48) and data[0]["features"].shape == (40, 192)
+    target.zero_grad(set_to_none=True)
+    hist = train_offline(draft, data, steps=120, lr=3e-3, batch_size=4, seed=0)
+    assert all(p.grad is None for p in target.parameters())
+    first = sum(h["loss"] for h in hist[:5]) / 5
+    last = sum(h["loss"] for h in hist[-5:]) / 5
+    assert last < 0.5 * first, (first, last)
+    assert min(h["acc_0"] for h in hist[-5:]) > 0.9, [h["acc_0"] for h in hist[-5:]]
+    assert hist[-1]["acc_2"] > 0.5
