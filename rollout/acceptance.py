@@ -24,7 +24,6 @@ index (within the completion) of the token that chain position 0 / the root's ch
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from rollout.sampling import gumbel_noise, sample
 from rollout.tree import node_depths
@@ -41,31 +40,20 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, r / mass.clamp_min(1e-30), p)
 
 
-def reject_step(p: torch.Tensor, q: torch.Tensor, x: torch.Tensor, u: torch.Tensor):
-    """One step of recursive rejection, rows independent. p, q (B, V); x, u (B,).
+def accept_test(px: torch.Tensor, qx: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Accept with prob min(1, p(x)/q(x)), written u*q(x) < p(x) with u ~ U[0, 1): no division,
+    q(x)=0 < p(x) accepts, p(x)=0 never accepts, p(x) >= q(x) > 0 always accepts."""
+    return u * qx < px
 
-    Returns (accept (B,) bool, p_next (B, V), q_next (B, V)): accept x with prob min(1, p(x)/q(x))
-    (written u*q(x) < p(x): no division, q(x)=0 < p(x) accepts, p(x)=0 never does); the
-    distributions to use for the next sibling if x was rejected: p <- residual(p, q) and
-    q <- q with x removed, renormalised (the next sibling was drawn without replacement).
-    """
-    px = p.gather(1, x[:, None])[:, 0]  # (B,)
-    qx = q.gather(1, x[:, None])[:, 0]  # (B,)
-    accept = u * qx < px
-    q_next = q.scatter(1, x[:, None], 0.0)  # (B, V)
+
+def rejection_update(p: torch.Tensor, q: torch.Tensor, x: Long) -> tuple[torch.Tensor, torch.Tensor]:
+    """After sibling x (drawn from q) was rejected: p <- residual(p, q) (the law the rest of the
+    procedure must still produce) and q <- q without x, renormalised (the law of the next
+    sibling, drawn without replacement). p, q (A, V); x (A,)."""
+    q_next = q.scatter(1, x[:, None], 0.0)  # (A, V)
     q_mass = q_next.sum(1, keepdim=True)
-    pass
-    return accept, residual(p, q), q_next
-
-
-def _accepted_prefix(match: torch.Tensor) -> Long:
-    """Length of the leading run of True per row. (B, g) -> (B,)."""
-    return match.long().cumprod(1).sum(1)
-
-
-def _coupled_samples(logp: torch.Tensor, seed: int, request_ids: Long, steps: Long) -> Long:
-    """The target's coupled samples: argmax(logp + noise(request, step)). (B, T, V) -> (B, T)."""
-    return sample(logp, mode="coupled", seed=seed, request_ids=request_ids[:, None], steps=steps)
+    q_next = torch.where(q_mass > 0, q_next / q_mass.clamp_min(1e-30), q_next)
+    return residual(p, q), q_next
 
 
 # ----------------------------------------------------------------------------- chains
@@ -73,7 +61,7 @@ def verify_chain_greedy(draft_tokens: Long, target_logits: torch.Tensor) -> tupl
     """Longest prefix equal to the target's argmax, then the argmax at the first mismatch
     (or the bonus argmax at position g). draft_tokens (B, g), target_logits (B, g+1, V)."""
     best = target_logits.argmax(-1)  # (B, g+1)
-    n = _accepted_prefix(draft_tokens == best[:, :-1])  # (B,)
+    n = (draft_tokens == best[:, :-1]).long().cumprod(1).sum(1)  # (B,) leading matches
     return n, best.gather(1, n[:, None])[:, 0]
 
 
@@ -82,16 +70,16 @@ def verify_chain_rejection(draft_tokens: Long, draft_logp: torch.Tensor, target_
     """Standard speculative sampling. draft_tokens (B, g) drawn from draft_logp (B, g, V);
     target_logp (B, g+1, V). Randomness: one uniform per draft token, then one multinomial."""
     B, g = draft_tokens.shape
-    p = target_logp.exp()  # (B, g+1, V)
-    q = F.pad(draft_logp.exp(), (0, 0, 0, 1))  # (B, g+1, V), q = 0 at the bonus position
-    px = p[:, :g].gather(2, draft_tokens[..., None])[..., 0]  # (B, g)
-    qx = q[:, :g].gather(2, draft_tokens[..., None])[..., 0]  # (B, g)
-    u = torch.rand(B, g, generator=generator, device=p.device)  # (B, g)
-    n = _accepted_prefix(u * qx < px)  # (B,)
-    rows = torch.arange(B, device=p.device)
-    # at a rejection: residual(p, q); after a full accept: residual(p, 0) = p (bonus)
-    final = residual(p[rows, n], q[rows, n])  # (B, V)
-    return n, torch.multinomial(final, 1, generator=generator)[:, 0]
+    px = target_logp[:, :g].gather(2, draft_tokens[..., None])[..., 0].exp()  # (B, g)
+    qx = draft_logp.gather(2, draft_tokens[..., None])[..., 0].exp()  # (B, g)
+    u = torch.rand(B, g, generator=generator, device=target_logp.device)  # (B, g)
+    n = accept_test(px, qx, u).long().cumprod(1).sum(1)  # (B,) accepted prefix
+    rows = torch.arange(B, device=target_logp.device)
+    p = target_logp[rows, n].exp()  # (B, V) at the first rejection, or the bonus position
+    q = torch.zeros_like(p)  # (B, V): stays 0 at the bonus position, and residual(p, 0) = p
+    rej = (n < g).nonzero()[:, 0]
+    q[rej] = draft_logp[rej, n[rej]].exp()
+    return n, torch.multinomial(residual(p, q), 1, generator=generator)[:, 0]
 
 
 def propose_coupled(draft_logp: torch.Tensor, seed: int, request_ids: Long, steps: Long) -> Long:
@@ -114,60 +102,87 @@ def propose_coupled_topk(draft_logp: torch.Tensor, k: int, seed: int, request_id
 
 def verify_chain_coupled(draft_tokens: Long, target_logp: torch.Tensor, seed: int, request_ids: Long,
                          first_step: Long) -> tuple[Long, Long]:
-    """Coupled verification: target sample at chain position i uses step first_step + i;
-    accept while the draft equals it; emit the target's sample at the first mismatch/bonus."""
-    g1 = target_logp.shape[1]
-    steps = first_step[:, None] + torch.arange(g1, device=target_logp.device)  # (B, g+1)
-    best = _coupled_samples(target_logp, seed, request_ids, steps)  # (B, g+1)
-    n = _accepted_prefix(draft_tokens == best[:, :-1])
-    return n, best.gather(1, n[:, None])[:, 0]
+    """Coupled verification: the target's sample at chain position i uses step first_step + i;
+    accept while the draft equals it; emit the target's sample at the first mismatch/bonus.
+
+    Samples are drawn position by position for the rows still matching only, so a verify step
+    draws exactly as much noise as plain decoding would for the tokens it emits."""
+    B, g = draft_tokens.shape
+    n = torch.zeros(B, dtype=torch.long, device=target_logp.device)
+    next_token = torch.zeros_like(n)
+    alive = torch.arange(B, device=target_logp.device)  # rows whose drafts all matched so far
+    for i in range(g + 1):
+        s = sample(target_logp[alive, i], mode="coupled", seed=seed, request_ids=request_ids[alive],
+                   steps=first_step[alive] + i)  # (A,)
+        next_token[alive] = s
+        if i == g:
+            break
+        alive = alive[draft_tokens[alive, i] == s]
+        n[alive] += 1
+        if alive.numel() == 0:
+            break
+    return n, next_token
 
 
 # ----------------------------------------------------------------------------- trees
-def _max_depth(parents: Long, valid: torch.Tensor) -> tuple[Long, int]:
-    depth = node_depths(parents)
-    return depth, int(depth.masked_fill(~valid, 0).max())
+def _max_depth(parents: Long, valid: torch.Tensor) -> int:
+    """Deepest valid node over the batch: the accepted path has at most D + 1 nodes."""
+    return int(node_depths(parents).masked_fill(~valid, 0).max())
 
 
-def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, choice: Long):
-    """Follow, from the root, the child whose token equals choice[node] (the target's own
-    token after that node); first such child in index order. Returns (path, n, next_token)."""
+def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, choose):
+    """Follow, from the root, the child whose token equals the target's own token after the
+    current node (first such child in index order); stop when there is none and emit it.
+
+    choose(cur (B,), d, active (B,)) -> (B,) is the target's token after node cur (at depth d),
+    needed only where active: computing it level by level, and stopping as soon as every row
+    has stopped, avoids scoring (or drawing noise for) nodes the walk never reaches.
+    Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,))."""
     B, N = parents.shape
-    _, D = _max_depth(parents, valid)
-    idx = torch.arange(N, device=parents.device)
-    cur = torch.zeros(B, dtype=torch.long, device=parents.device)  # (B,)
-    path = torch.full((B, D + 1), -1, dtype=torch.long, device=parents.device)
+    dev = parents.device
+    D = _max_depth(parents, valid)
+    idx = torch.arange(N, device=dev)
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
+    path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
     path[:, 0] = 0
-    active = torch.ones(B, dtype=torch.bool, device=parents.device)
-    for d in range(1, D + 1):
-        want = choice.gather(1, cur[:, None])  # (B, 1)
-        hit = valid & (parents == cur[:, None]) & (tokens == want) & active[:, None]  # (B, N)
+    active = torch.ones(B, dtype=torch.bool, device=dev)
+    next_token = torch.zeros(B, dtype=torch.long, device=dev)
+    for d in range(D + 1):
+        want = choose(cur, d, active)  # (B,)
+        next_token = torch.where(active, want, next_token)
+        if d == D:
+            break
+        hit = valid & (parents == cur[:, None]) & (tokens == want[:, None]) & active[:, None]  # (B, N)
         active = hit.any(1)
         child = torch.where(hit, idx, N).min(1).values  # (B,)
         cur = torch.where(active, child, cur)
-        path[:, d] = torch.where(active, child, -1)
-    n = (path >= 0).sum(1) - 1
-    return path, n, choice.gather(1, cur[:, None])[:, 0]
+        path[:, d + 1] = torch.where(active, child, -1)
+        if not bool(active.any()):
+            break
+    return path, (path >= 0).sum(1) - 1, next_token
 
 
 def verify_tree_greedy(parents: Long, tokens: Long, valid: torch.Tensor, target_logits: torch.Tensor):
     """Greedy tree walk: at node n descend to the child whose token is argmax target_logits[n].
     Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,))."""
-    return _walk_deterministic(parents, tokens, valid, target_logits.argmax(-1))
+    rows = torch.arange(parents.shape[0], device=parents.device)
+    return _walk_deterministic(parents, tokens, valid, lambda cur, d, active: target_logits[rows, cur].argmax(-1))
 
 
 def verify_tree_coupled(parents: Long, tokens: Long, valid: torch.Tensor, target_logp: torch.Tensor,
                         seed: int, request_ids: Long, first_step: Long):
     """Coupled tree walk: at a node of depth d the target's sample uses step first_step + d;
-    descend to the child carrying that token, else emit it. Same returns as the greedy walk."""
-    B, N, V = target_logp.shape
-    depth, D = _max_depth(parents, valid)
-    steps = first_step[:, None] + torch.arange(D + 1, device=target_logp.device)  # (B, D+1)
-    noise = gumbel_noise(seed, request_ids[:, None], steps, V)  # (B, D+1, V): one row per depth
-    rows = torch.arange(B, device=target_logp.device)
-    choice = torch.stack([(target_logp[:, i] + noise[rows, depth[:, i].clamp(max=D)]).argmax(-1)
-                          for i in range(N)], dim=1)  # (B, N), one (B, V) temporary at a time
-    return _walk_deterministic(parents, tokens, valid, choice)
+    descend to the child carrying that token, else emit it. Same returns as the greedy walk.
+    Noise is drawn only for the rows still walking, one depth at a time."""
+
+    def choose(cur: Long, d: int, active: torch.Tensor) -> Long:
+        out = torch.zeros_like(cur)
+        a = active.nonzero()[:, 0]  # (A,)
+        out[a] = sample(target_logp[a, cur[a]], mode="coupled", seed=seed, request_ids=request_ids[a],
+                        steps=first_step[a] + d)
+        return out
+
+    return _walk_deterministic(parents, tokens, valid, choose)
 
 
 def sample_children_without_replacement(draft_logp: torch.Tensor, k: int,
@@ -189,59 +204,58 @@ def verify_tree_rejection(parents: Long, tokens: Long, valid: torch.Tensor, draf
     At the current node (p = target, q = draft distribution there) try the valid children in
     index order: accept x_j with prob min(1, p(x_j)/q(x_j)); on rejection p <- residual(p, q)
     and q <- q without x_j, renormalised. The first accepted child is descended into; if all
-    are rejected (or there are none) the next token is drawn from the current p. By induction
-    over siblings each step outputs exactly the current p, so the walk samples from the target.
+    are rejected (or there are none) the next token is drawn from the current p. Given the
+    earlier siblings, x_j ~ q_j and the residual never puts mass on a rejected token, so by
+    induction over siblings each node outputs exactly its p: the walk samples from the target.
 
     `verified` (B, N) bool, default = valid: nodes the target actually scored. A child that is
     valid but not verified still takes part in the sibling recursion (which needs only the
     parent's p and q); if it is accepted its token becomes next_token and the walk stops there.
     This keeps EAGLE-2 pruning lossless: prune for compute, not out of the sibling sequence.
 
-    Randomness: one uniform per node (B, N), then one multinomial over (B, V).
+    Work is done only for rows still walking and for rows that actually rejected something.
+    Randomness: one uniform per node (B, N), then one multinomial for the rows that need it.
     Returns (path (B, D+1) verified nodes root-first padded with -1, n_accepted, next_token).
     """
     B, N, V = target_logp.shape
     dev = target_logp.device
     verified = valid if verified is None else verified & valid
-    _, D = _max_depth(parents, valid)
+    D = _max_depth(parents, valid)
     is_child = valid & (parents >= 0)  # (B, N)
-    n_kids = torch.zeros(B, N + 1, dtype=torch.long, device=dev)
-    n_kids.scatter_add_(1, torch.where(is_child, parents, N), torch.ones_like(parents))
-    K = int(n_kids[:, :N].max()) if N > 1 else 0
-    u = torch.rand(B, N, generator=generator, device=dev)  # (B, N) node c's accept test
+    u = torch.rand(B, N, generator=generator, device=dev)  # (B, N): node c's accept test
     idx = torch.arange(N, device=dev)
-    rows = torch.arange(B, device=dev)
-    cur = torch.zeros(B, dtype=torch.long, device=dev)
     path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
     path[:, 0] = 0
-    active = torch.ones(B, dtype=torch.bool, device=dev)  # still walking
-    final_p = target_logp[:, 0].exp()  # (B, V) distribution of next_token where sampled
+    final_p = torch.zeros(B, V, device=dev)  # law of next_token where it is drawn
     forced = torch.full((B,), -1, dtype=torch.long, device=dev)  # accepted unverified child
+    rows = torch.arange(B, device=dev)  # (A,) rows still walking
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # (A,) their current node
     for d in range(1, D + 2):
-        p, q = target_logp[rows, cur].exp(), draft_logp[rows, cur].exp()  # (B, V)
-        kid_mask = is_child & (parents == cur[:, None])  # (B, N)
-        kids = torch.where(kid_mask, idx, N + idx).argsort(1)[:, :K]  # (B, K) index order
-        kid_ok = kid_mask.gather(1, kids)  # (B, K)
-        chosen = torch.full((B,), -1, dtype=torch.long, device=dev)
-        trying = active.clone()
-        for j in range(K):
-            c = kids[:, j]
-            live = trying & kid_ok[:, j]
-            acc, p_next, q_next = reject_step(p, q, tokens.gather(1, c[:, None])[:, 0], u[rows, c])
-            acc &= live
-            rej = (live & ~acc)[:, None]
+        p, q = target_logp[rows, cur].exp(), draft_logp[rows, cur].exp()  # (A, V)
+        kid_mask = is_child[rows] & (parents[rows] == cur[:, None])  # (A, N)
+        kids = torch.where(kid_mask, idx, N + idx).argsort(1)  # (A, N) children first, index order
+        chosen = torch.full_like(cur, -1)  # (A,)
+        for j in range(int(kid_mask.sum(1).max()) if rows.numel() else 0):
+            c = kids[:, j]  # (A,)
+            x = tokens[rows, c]  # (A,)
+            px, qx = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
+            live = (chosen < 0) & kid_mask[torch.arange(rows.numel(), device=dev), c]
+            acc = live & accept_test(px, qx, u[rows, c])
             chosen = torch.where(acc, c, chosen)
-            p, q = torch.where(rej, p_next, p), torch.where(rej, q_next, q)
-            trying &= ~acc
-        stop_here = active & (chosen < 0)
-        final_p = torch.where(stop_here[:, None], p, final_p)
-        unverified = active & (chosen >= 0) & ~verified.gather(1, chosen.clamp(min=0)[:, None])[:, 0]
-        forced = torch.where(unverified, tokens.gather(1, chosen.clamp(min=0)[:, None])[:, 0], forced)
-        descend = active & (chosen >= 0) & ~unverified
-        if d <= D:
-            path[:, d] = torch.where(descend, chosen, -1)
-        cur = torch.where(descend, chosen, cur)
-        active = descend
-    drawn = torch.multinomial(final_p, 1, generator=generator)[:, 0]  # (B,)
-    n = (path >= 0).sum(1) - 1
-    return path, n, torch.where(forced >= 0, forced, drawn)
+            rej = (live & ~acc).nonzero()[:, 0]
+            if rej.numel():
+                p[rej], q[rej] = rejection_update(p[rej], q[rej], x[rej])
+        stop = chosen < 0
+        final_p[rows[stop]] = p[stop]
+        ok = verified[rows, chosen.clamp(min=0)]
+        unver = ~stop & ~ok
+        forced[rows[unver]] = tokens[rows[unver], chosen[unver]]
+        down = ~stop & ok
+        rows, cur = rows[down], chosen[down]
+        if rows.numel() == 0:
+            break
+        path[rows, d] = cur
+    need = (forced < 0).nonzero()[:, 0]
+    next_token = forced.clone()
+    next_token[need] = torch.multinomial(final_p[need], 1, generator=generator)[:, 0]
+    return path, (path >= 0).sum(1) - 1, next_token

@@ -90,8 +90,10 @@ class EmbeddedEngine:
         states = [self._new_state(i, rid, p, params) for i, (rid, p) in enumerate(zip(request_ids, prompts))]
         self.generator.manual_seed(params.seed)
         n_slots = min(self.config.max_batch, len(states))
-        cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len, self.device, self.model.embed_tokens.weight.dtype)
         spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None else None
+        slack = self.speculator.block_slack() if spec is not None else 0
+        cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
+                                  self.model.embed_tokens.weight.dtype)
         pending = deque(states)
         slots: list[SlotState | None] = [None] * n_slots
         t0, steps, tokens_before = time.perf_counter(), 0, 0
@@ -108,7 +110,7 @@ class EmbeddedEngine:
                 if spec is not None and spec.should_speculate(len(active)):
                     spec.step(self, cache, active, act_states, params, capture_features)
                 else:
-                    self._decode_step(cache, active, act_states, params, capture_features)
+                    self._decode_step(cache, active, act_states, params, capture_features, spec)
                 steps += 1
             for i, s in enumerate(slots):
                 if s is not None and s.finish_reason is not None:
@@ -156,20 +158,20 @@ class EmbeddedEngine:
         self._emit(states, last_logits, params)
 
     def _decode_step(self, cache: KVCache, active: list[int], states: list[SlotState], params: SamplingParams,
-                     capture: bool) -> None:
+                     capture: bool, spec=None) -> None:
         slot_ids = torch.tensor(active, device=self.device)
         ids = torch.tensor([[s.last_token] for s in states], device=self.device)
-        out = self.model(ids, cache=cache, slots=slot_ids, tap_layers=self.tap_layers(capture, None))
+        out = self.model(ids, cache=cache, slots=slot_ids, tap_layers=self.tap_layers(capture, spec))
         if capture:
             feats = out.features(self.model.cfg.feature_layer_ids)
             for r, s in enumerate(states):
                 s.features.append(feats[r].to(torch.float16).cpu())
-        if self.speculator is not None:
-            self.speculator.on_plain_step(slot_ids, ids, out)
+        if spec is not None:
+            spec.on_plain_step(slot_ids, ids, out)
         self._emit(states, out.logits[:, -1], params)
 
     def tap_layers(self, capture: bool, spec) -> tuple[int, ...]:
-        return self.model.cfg.feature_layer_ids if (capture or spec is not None or self.speculator is not None) else ()
+        return self.model.cfg.feature_layer_ids if (capture or spec is not None) else ()
 
     def _emit(self, states: list[SlotState], logits: torch.Tensor, params: SamplingParams) -> None:
         """Sample one token per state from logits (B, V) and append it."""

@@ -29,12 +29,13 @@ class RunDirError(ValueError):
     pass
 
 
-def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print):
+def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print, progress=False):
     tokenizer = CharTokenizer()
     task = get_task(task_name, **preset.task_kwargs)
     model_cfg = model_config_for(preset.model, tokenizer.vocab_size)
     task_spec = {"name": task_name, **preset.task_kwargs}
-    policy, sft_info = warm_start(task, task_spec, tokenizer, model_cfg, preset.sft, cache_dir, log=log)
+    policy, sft_info = warm_start(task, task_spec, tokenizer, model_cfg, preset.sft, cache_dir, log=log,
+                                  progress=progress)
     return tokenizer, task, policy, sft_info
 
 
@@ -91,7 +92,8 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
     out = Path(out_dir)
     prepare_run_dir(out, resume)
     torch.manual_seed(seed)
-    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir or default_cache_dir(), log)
+    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir or default_cache_dir(), log,
+                                                              progress)
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
     trainer = GRPOTrainer(policy, preset.grpo)
     heldout = task.examples("heldout", preset.eval_prompts, seed)

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from target_training.checkpoint import load_checkpoint, save_checkpoint
 from target_training.config import MoEConfig
@@ -96,7 +97,7 @@ def cache_key(task_spec: dict, model_cfg: MoEConfig, sft_cfg: SFTConfig, vocab_f
 
 
 def warm_start(task, task_spec: dict, tokenizer, model_cfg: MoEConfig, sft_cfg: SFTConfig,
-               cache_dir: Path | None = None, log=print) -> tuple[MoETransformer, dict]:
+               cache_dir: Path | None = None, log=print, progress: bool = False) -> tuple[MoETransformer, dict]:
     """Load the cached SFT policy for these settings, or train and cache it."""
     vocab_fp = hashlib.sha256(tokenizer.decode(list(range(tokenizer.vocab_size)), skip_special=False).encode()).hexdigest()[:16]
     path = (cache_dir or default_cache_dir()) / f"sft-{cache_key(task_spec, model_cfg, sft_cfg, vocab_fp)}"
@@ -109,7 +110,14 @@ def warm_start(task, task_spec: dict, tokenizer, model_cfg: MoEConfig, sft_cfg: 
     data = sft_dataset(task, tokenizer, sft_cfg.n_examples, sft_cfg.seed)
     t0 = time.perf_counter()
     log(f"[sft] training warm start: {model.num_parameters() / 1e6:.2f}M parameters, {sft_cfg.steps} steps")
-    losses = train_sft(model, data, sft_cfg, tokenizer.pad_id)
+    bar = tqdm(total=sft_cfg.steps, desc="sft", disable=not progress)
+
+    def tick(step: int, loss: float) -> None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}")
+
+    losses = train_sft(model, data, sft_cfg, tokenizer.pad_id, progress=tick)
+    bar.close()
     info = {"sft_loss_end": sum(losses[-20:]) / len(losses[-20:]), "sft_s": time.perf_counter() - t0}
     save_checkpoint(path, model, model_cfg, state=info)
     log(f"[sft] done in {info['sft_s']:.1f}s, loss {info['sft_loss_end']:.3f}; cached at {path}")

@@ -47,15 +47,14 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, 
 def make_case(name: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and draft log-prob tables (V, V): row = previous token."""
     g = torch.Generator().manual_seed(seed)
-    dirichlet = lambda a: torch.distributions.Dirichlet(torch.full((V,), a)).sample((V,))  # noqa: E731
-    torch.manual_seed(seed)  # Dirichlet draws from the global generator
-    p = dirichlet(0.7)
+    rand_dist = lambda scale: (torch.randn(V, V, generator=g) * scale).softmax(-1)  # noqa: E731
+    p = rand_dist(1.5)
     if name == "far":
-        q = dirichlet(0.5)
+        q = rand_dist(2.0)
     elif name == "equal":
         q = p.clone()
     elif name == "q_zero":  # q puts no mass on two tokens where p > 0
-        q = dirichlet(1.0)
+        q = rand_dist(1.0)
         q[:, [1, 4]] = 0.0
     elif name == "q_narrow":  # q's support (2 tokens) is smaller than a node's 3 children
         q = torch.zeros(V, V)
@@ -228,6 +227,24 @@ def test_chain_check_has_power(wrong):
 
 
 # ----------------------------------------------------------------------------- tree rejection
+def test_tree_rejection_special_cases():
+    """q = p accepts the first child at every level; an accepted unverified child is emitted."""
+    gen = torch.Generator().manual_seed(0)
+    B = 500
+    parents = torch.tensor([[-1, 0, 0, 1, 1]]).expand(B, -1)
+    tokens = torch.tensor([[0, 1, 2, 3, 1]]).expand(B, -1)
+    valid = torch.ones(B, 5, dtype=torch.bool)
+    logp = torch.randn(B, 5, 4, generator=gen).log_softmax(-1)
+    path, n, _ = acc.verify_tree_rejection(parents, tokens, valid, logp, logp, gen)
+    assert path.tolist() == [[0, 1, 3]] * B and n.tolist() == [2] * B
+    # child 2 unverified, q(2) = 0 < p(2): child 1 (p = 0) is rejected, child 2 accepted and emitted
+    p = torch.tensor([0.0, 0.0, 0.5, 0.5]).log().expand(B, 5, 4)
+    q = torch.tensor([0.0, 1.0, 0.0, 0.0]).log().expand(B, 5, 4)
+    verified = torch.tensor([[True, True, False, True, True]]).expand(B, -1)
+    path, n, nxt = acc.verify_tree_rejection(parents, tokens, valid, q, p, gen, verified=verified)
+    assert path.tolist() == [[0, -1, -1]] * B and n.tolist() == [0] * B and nxt.tolist() == [2] * B
+
+
 def test_children_without_replacement():
     gen = torch.Generator().manual_seed(0)
     logp = torch.tensor([[0.0, 0.0, NEG, 0.0]]).log_softmax(-1).expand(5000, 4)
@@ -264,23 +281,21 @@ def test_tree_rejection_dropping_pruned_siblings_is_lossy():
     assert pval < ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
-_REJECT_STEP = acc.reject_step  # the correct rule, kept before any monkeypatching
+_UPDATE = acc.rejection_update  # the correct rule, kept before any monkeypatching
 
 
-def _p_not_updated(p, q, x, u):
-    a, _, q_next = _REJECT_STEP(p, q, x, u)
-    return a, p, q_next
+def _p_not_updated(p, q, x):  # draws the correction from p instead of the residual
+    return p, _UPDATE(p, q, x)[1]
 
 
-def _q_not_updated(p, q, x, u):  # with-replacement rule applied to without-replacement drafts
-    a, p_next, _ = _REJECT_STEP(p, q, x, u)
-    return a, p_next, q
+def _q_not_updated(p, q, x):  # with-replacement rule applied to without-replacement drafts
+    return _UPDATE(p, q, x)[0], q
 
 
 @pytest.mark.parametrize("wrong", [_p_not_updated, _q_not_updated])
 def test_tree_check_has_power(wrong, monkeypatch):
     p_logp, q_logp = make_case("far")
-    monkeypatch.setattr(acc, "reject_step", wrong)
+    monkeypatch.setattr(acc, "rejection_update", wrong)
     stat, df, pval = chi2_pvalue(run_tree(p_logp, q_logp), exact_pairs(p_logp))
     assert pval < ALPHA, f"{wrong.__name__} passed: chi2={stat:.1f} df={df} p={pval:.2e}"
 

@@ -1,6 +1,8 @@
 """EAGLE-3 draft head: layout, vocabulary maps, cache consistency, TTT semantics, training."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -13,6 +15,15 @@ from draft_models.vocab import (build_draft_vocab, draft_logits_to_target, restr
 from target_training.config import model_config_for
 
 V, VD = 64, 40
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models: intra-op threads only add contention (20x slower on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 SGLANG_KEYS = {
     "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
@@ -46,12 +57,14 @@ def target_inputs(target, B, T, seed=1):
 
 def test_parameter_names_match_sglang_layout_and_embedding_is_not_owned():
     target, draft = make_pair()
+    assert isinstance(draft, Eagle3Draft)
     assert set(draft.state_dict()) == SGLANG_KEYS
     names = {n for n, _ in draft.named_parameters()}
     assert names == SGLANG_KEYS - {"d2t", "t2d"}
     target_ptrs = {p.data_ptr() for p in target.parameters()}
     assert not any(p.data_ptr() in target_ptrs for p in draft.parameters())
     assert draft.embed_tokens is target.embed_tokens  # by reference
+    assert copy.deepcopy(draft).embed_tokens is target.embed_tokens  # snapshots keep the reference
     assert target.embed_tokens.weight.requires_grad  # the policy's embedding is untouched
     assert draft.fc.weight.shape == (64, 3 * 64)
     assert draft.midlayer.self_attn.q_proj.weight.shape[1] == 2 * 64
@@ -229,31 +242,26 @@ def _periodic_sequences(n: int, T: int, seed: int = 0) -> list[list[int]]:
     return seqs
 
 
-def test_train_offline_learns_periodic_target():
+def test_train_offline_learns_a_random_target_on_repeating_sequences():
     torch.manual_seed(0)
-    target = model_config_for("tiny", V).build()
-    seqs = _periodic_sequences(8, 40)
-    data_ids = torch.tensor(seqs)
-    opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
-    for _ in range(60):  # make the target confident on its data, as a trained policy is
-        out = target(data_ids[:, :-1])
-        loss = torch.nn.functional.cross_entropy(out.logits.reshape(-1, V), data_ids[:, 1:].reshape(-1))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    target.eval()
+    target = model_config_for("tiny", V).build().eval()
+    with torch.no_grad():  # a random but confident target (a trained policy is peaked, not uniform)
+        target.lm_head.weight.mul_(100.0)
+    seqs = _periodic_sequences(6, 24)
     d2t, t2d = build_draft_vocab(seqs, V, 48, always_include=(0, 1))
-    draft = Eagle3Config.for_target(target.cfg, 48, ttt_steps=3).build(target.embed_tokens)
+    draft = Eagle3Config.for_target(target.cfg, 48, ttt_steps=2).build(target.embed_tokens)
     draft.set_vocab(d2t, t2d)
-    masks = [[0] * 4 + [1] * 36 for _ in seqs]
+    masks = [[0] * 4 + [1] * 20 for _ in seqs]
     data = capture_features(target, seqs, masks, batch_size=4, d2t=draft.d2t)
     assert data[0]["features"].dtype == torch.bfloat16 and data[0]["target_logp"].dtype == torch.float16
-    assert data[0]["target_logp"].shape == (40, 48) and data[0]["features"].shape == (40, 192)
+    assert data[0]["target_logp"].shape == (24, 48) and data[0]["features"].shape == (24, 192)
+    assert data[0]["loss_mask"].tolist() == [False] * 4 + [True] * 20
     target.zero_grad(set_to_none=True)
-    hist = train_offline(draft, data, steps=120, lr=3e-3, batch_size=4, seed=0)
+    hist = train_offline(draft, data, steps=60, lr=5e-3, batch_size=4, seed=0)
     assert all(p.grad is None for p in target.parameters())
     first = sum(h["loss"] for h in hist[:5]) / 5
     last = sum(h["loss"] for h in hist[-5:]) / 5
-    assert last < 0.5 * first, (first, last)
-    assert min(h["acc_0"] for h in hist[-5:]) > 0.9, [h["acc_0"] for h in hist[-5:]]
-    assert hist[-1]["acc_2"] > 0.5
+    assert last < 0.3 * first, (first, last)
+    acc0 = sum(h["acc_0"] for h in hist[-5:]) / 5
+    assert acc0 > 0.9, [h["acc_0"] for h in hist[-5:]]
+    assert sum(h["acc_1"] for h in hist[-5:]) / 5 > 0.7

@@ -1,0 +1,108 @@
+"""The starting draft: an EAGLE-3 head trained offline on the policy's own rollouts.
+
+Data is what the RL run will ask the draft to predict: responses the policy samples on the
+task's training prompts. The target features come from one full forward per batch
+(draft_models.train.capture_features), the draft vocabulary from the response token counts.
+Like the SFT warm start, the result is cached on disk, keyed by the policy checkpoint and the
+settings, and reused.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from draft_models.checkpoint import load_draft, save_draft
+from draft_models.config import Eagle3Config
+from draft_models.train import capture_features, train_offline
+from draft_models.vocab import build_draft_vocab, count_tokens
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+
+
+@dataclass
+class DraftTrainConfig:
+    n_sequences: int = 1024
+    steps: int = 300
+    lr: float = 3e-3
+    batch_size: int = 32
+    draft_vocab_size: int = 48
+    ttt_steps: int = 4
+    temperature: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("n_sequences", "steps", "batch_size", "draft_vocab_size", "ttt_steps", "max_new_tokens"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DraftTrainConfig.{name} must be positive, got {getattr(self, name)}")
+
+
+def rollout_records(policy, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
+                    request_offset: int = 0):
+    """Sample responses from the policy; return (sequences, loss_masks) with the loss on responses."""
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=max_batch))
+    trajs = engine.generate(prompts, params, request_ids=range(request_offset, request_offset + len(prompts)))
+    seqs = [t.full_ids for t in trajs]
+    masks = [[0] * len(t.prompt_ids) + [1] * len(t.token_ids) for t in trajs]
+    return seqs, masks
+
+
+def new_draft(policy, sequences, cfg: DraftTrainConfig, special_ids=(0, 1, 2)):
+    mcfg = policy.cfg
+    dv = min(cfg.draft_vocab_size, mcfg.vocab_size)
+    d2t, t2d = build_draft_vocab(count_tokens(sequences, mcfg.vocab_size), mcfg.vocab_size, dv,
+                                 always_include=special_ids)
+    dcfg = Eagle3Config.for_target(mcfg, dv, ttt_steps=cfg.ttt_steps)
+    torch.manual_seed(cfg.seed)
+    draft = dcfg.build(policy.embed_tokens)
+    draft.set_vocab(d2t, t2d)
+    return draft
+
+
+def fit_draft(draft, policy, sequences, masks, cfg: DraftTrainConfig, log=print) -> list[dict]:
+    data = capture_features(policy, sequences, masks, batch_size=64, d2t=draft.d2t)
+    hist = train_offline(draft, data, steps=cfg.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
+                         ttt_steps=cfg.ttt_steps, warmup=20)
+    last = hist[-min(20, len(hist)):]
+    acc0 = sum(h.get("acc_0", 0.0) for h in last) / len(last)
+    log(f"[draft] trained {cfg.steps} steps on {len(sequences)} rollouts: loss {last[-1]['loss']:.3f}, "
+        f"step-0 top-1 {acc0:.3f}")
+    return hist
+
+
+def train_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, log=print):
+    t0 = time.perf_counter()
+    params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids,
+                            seed=cfg.seed)
+    seqs, masks = rollout_records(policy, prompts, params, request_offset=10_000_000)
+    draft = new_draft(policy, seqs, cfg)
+    fit_draft(draft, policy, seqs, masks, cfg, log)
+    return draft, {"draft_train_s": time.perf_counter() - t0}
+
+
+def policy_fingerprint(policy) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(policy.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache_dir: Path, log=print):
+    """Load the offline draft for this policy and these settings, or train and cache it."""
+    key = hashlib.sha256(json.dumps({"policy": policy_fingerprint(policy), "cfg": asdict(cfg),
+                                     "prompts": hashlib.sha256(str(prompts).encode()).hexdigest()},
+                                    sort_keys=True).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / f"draft-{key}"
+    if path.exists():
+        log(f"[draft] loaded cached offline draft from {path}")
+        return load_draft(path, policy), {"path": str(path), "cached": True}
+    draft, info = train_offline_draft(policy, prompts, cfg, stop_ids, log)
+    save_draft(draft, path)
+    log(f"[draft] cached at {path}")
+    return draft, {"path": str(path), "cached": False, **info}

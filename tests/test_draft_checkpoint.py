@@ -1,0 +1,164 @@
+"""EAGLE-3 draft checkpoints: SGLang layout, round trip, target checks, corruption, atomic save."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import draft_models.checkpoint as ckpt
+from draft_models.checkpoint import DraftCheckpointError, draft_state_dict_for_sglang, load_draft, save_draft
+from draft_models.config import Eagle3Config
+from draft_models.vocab import build_draft_vocab
+from target_training.config import MoEConfig, model_config_for
+
+V, VD = 64, 40
+WEIGHT_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_pair(seed: int = 0):
+    torch.manual_seed(seed)
+    target = model_config_for("tiny", V).build().eval()
+    draft = Eagle3Config.for_target(target.cfg, VD).build(target.embed_tokens)
+    draft.set_vocab(*build_draft_vocab(torch.randint(0, 100, (V,)), V, VD, always_include=(0,)))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    return target, draft.eval()
+
+
+def outputs(target, draft):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, V, (2, 9), generator=g)
+    with torch.no_grad():
+        out = target(ids, tap_layers=target.cfg.feature_layer_ids)
+        return draft(ids[:, 1:], out.features(target.cfg.feature_layer_ids)[:, :-1])
+
+
+def other_target(**changes):
+    base = model_config_for("tiny", V).to_dict()
+    base.update(changes)
+    return MoEConfig.from_dict(base).build()
+
+
+def test_save_writes_sglang_layout_and_round_trips(tmp_path):
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "draft")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    tensors = load_file(str(out / "model.safetensors"))
+    assert set(tensors) == WEIGHT_KEYS  # no embedding
+    assert set(draft_state_dict_for_sglang(draft)) == WEIGHT_KEYS
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["torch_dtype"] == "float32"
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(target.cfg.feature_layer_ids)
+    loaded = load_draft(out, target)
+    assert loaded.cfg == draft.cfg and loaded.embed_tokens is target.embed_tokens
+    for (a, b) in zip(outputs(target, draft), outputs(target, loaded)):
+        assert torch.equal(a, b)
+    assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
+    # overwrite an existing checkpoint with new weights
+    with torch.no_grad():
+        draft.lm_head.weight.mul_(2.0)
+    save_draft(draft, out)
+    assert torch.equal(load_draft(out, target).lm_head.weight, draft.lm_head.weight)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft"]  # no temp or backup folders left
+
+
+def test_embedding_in_file_is_ignored_and_target_embedding_used(tmp_path):
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "d")
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["embed_tokens.weight"] = torch.zeros(V, 64)  # SpecForge-style extra key
+    save_file(tensors, str(out / "model.safetensors"))
+    assert load_draft(out, target).embed_tokens is target.embed_tokens
+
+
+@pytest.mark.parametrize("changes, field", [
+    (dict(hidden_size=96, num_heads=4, head_dim=24), "target_hidden_size"),
+    (dict(vocab_size=80), "vocab_size"),
+    (dict(aux_layer_ids=(0, 1, 2)), "eagle_aux_hidden_state_layer_ids"),
+])
+def test_mismatched_target_is_rejected_with_the_field_named(tmp_path, changes, field):
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "d")
+    with pytest.raises(DraftCheckpointError, match=field) as e:
+        load_draft(out, other_target(**changes))
+    assert "\n" not in str(e.value)
+
+
+def test_wrong_fc_shape_and_bad_vocab_are_rejected(tmp_path):
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "d")
+    good = load_file(str(out / "model.safetensors"))
+    bad = dict(good, **{"fc.weight": torch.zeros(64, 128)})
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(DraftCheckpointError, match="fc.weight"):
+        load_draft(out, target)
+    bad = dict(good, d2t=torch.full((VD,), V, dtype=torch.long))
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(DraftCheckpointError, match="d2t"):
+        load_draft(out, target)
+    bad = {k: v for k, v in good.items() if k != "norm.weight"}
+    save_file(bad, str(out / "model.safetensors"))
+    with pytest.raises(DraftCheckpointError, match="norm.weight"):
+        load_draft(out, target)
+
+
+def test_truncated_or_corrupt_files_give_clear_errors(tmp_path):
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "d")
+    weights = out / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(DraftCheckpointError, match="model.safetensors") as e:
+        load_draft(out, target)
+    assert "\n" not in str(e.value)
+    weights.write_bytes(b"\x00garbage")
+    with pytest.raises(DraftCheckpointError, match="model.safetensors"):
+        load_draft(out, target)
+    weights.unlink()
+    with pytest.raises(DraftCheckpointError, match="model.safetensors"):
+        load_draft(out, target)
+    (out / "config.json").write_text('{"architectures": ["LlamaForCausalLMEagle3"], "hidden_')
+    with pytest.raises(DraftCheckpointError, match="config.json"):
+        load_draft(out, target)
+    (out / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    with pytest.raises(DraftCheckpointError, match="config.json"):
+        load_draft(out, target)
+    with pytest.raises(DraftCheckpointError, match="nowhere"):
+        load_draft(tmp_path / "nowhere", target)
+
+
+def test_failed_save_leaves_existing_checkpoint_intact(tmp_path, monkeypatch):
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "d")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def half_write(tensors, path):
+        path.write_bytes(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "_write_safetensors", half_write)
+    with torch.no_grad():
+        draft.fc.weight.zero_()
+    with pytest.raises(OSError, match="disk full"):
+        save_draft(draft, out)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
+    assert not torch.equal(load_draft(out, target).fc.weight, draft.fc.weight)
