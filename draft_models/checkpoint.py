@@ -107,7 +107,8 @@ def read_draft_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
         raise DraftCheckpointError(f"{file}: unreadable safetensors ({msg})") from None
 
 
-def _check_against_target(cfg: Eagle3Config, tcfg, where: Path) -> None:
+def check_draft_against_target(cfg: Eagle3Config, tcfg, where: Path | str = "draft") -> None:
+    """Raise DraftCheckpointError naming the first field where the draft does not fit the target."""
     checks = [
         ("target_hidden_size", cfg.target_hidden_size, tcfg.hidden_size, "target hidden_size"),
         ("hidden_size", cfg.hidden_size, tcfg.hidden_size, "target embedding width"),
@@ -127,7 +128,7 @@ def load_draft(path: str | os.PathLike, target_model, device=None, dtype=None) -
         raise DraftCheckpointError(f"{root}: no such draft checkpoint folder")
     tcfg = target_model.cfg
     cfg = read_draft_config(root, default_aux_layer_ids=tcfg.feature_layer_ids)
-    _check_against_target(cfg, tcfg, root / CONFIG_NAME)
+    check_draft_against_target(cfg, tcfg, root / CONFIG_NAME)
     tensors = read_draft_tensors(root)
     for k in _EMBEDDING_KEYS:
         tensors.pop(k, None)

@@ -191,8 +191,10 @@ class Eagle3Draft(nn.Module):
             raise TypeError(f"input_ids must be int64, got {input_ids.dtype}")
         if hidden.shape[:2] != (B, T):
             raise ValueError(f"hidden must have shape ({B}, {T}, ...), got {tuple(hidden.shape)}")
-        if attn_mask is not None and attn_mask.shape != (B, T, T):
-            raise ValueError(f"attn_mask must have shape {(B, T, T)}, got {tuple(attn_mask.shape)}")
+        if attn_mask is not None and (attn_mask.shape[:2] != (B, T) or attn_mask.shape[2] < T
+                                      or (cache is None and attn_mask.shape[2] != T)):
+            raise ValueError(f"attn_mask must have shape {(B, T, T)} (or (B, T, W > T) with a cache), "
+                             f"got {tuple(attn_mask.shape)}")
         block, mask = None, None
         if cache is None:
             if T > self.cfg.max_seq_len:

@@ -67,6 +67,8 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         self.max_len = self.config.max_len or model.cfg.max_seq_len
         self.speculator = speculator  # rollout.speculative.Speculator or None (plain decoding)
+        if speculator is not None:
+            speculator.check_target(model)
         self.generator = torch.Generator(device="cpu")
         self.last_stats: dict = {}
 

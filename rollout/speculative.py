@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draft_models.checkpoint import check_draft_against_target
 from rollout import acceptance as acc
 from rollout.protocol import SamplingParams
 from rollout.sampling import policy_logprobs, process_logits
@@ -48,8 +49,12 @@ class Speculator:
         self.enabled = True
         self.controller = None  # optional: decides per step whether to speculate (specrl.controller)
 
+    def check_target(self, target) -> None:
+        """Fail with a one-line error if the draft was not built for this target."""
+        check_draft_against_target(self.draft.cfg, target.cfg)
+
     def set_draft(self, draft) -> None:
-        """Hot swap: the next generate() call (or the next step, between calls) uses this draft."""
+        """Hot swap: the next generate() call uses this draft."""
         self.draft = draft.eval()
 
     def block_slack(self) -> int:
@@ -115,9 +120,9 @@ class SpecSession:
                                            draft_logp, target_logp, out.logits)
         # keep the accepted path's KV entries contiguous after position L
         src, n_keep = accepted_kv_positions(path, L)
-        for r in range(len(active)):
-            k = int(n_keep[r])
-            cache.compact(slots[r : r + 1], src[r : r + 1, :k], L[r : r + 1])
+        if self.cfg.mode == "tree":
+            cache.compact(slots, src, L)  # chains are already contiguous
+        cache.rollback(slots, L + n_keep)
         feats = gather_path(path, out.features(engine.model.cfg.feature_layer_ids), fill=0)  # (B, W, 3H)
         lp_all = policy_logprobs(out.logits, params.temperature)  # (B, N, V)
         path_lp = gather_path(path, lp_all, fill=0)  # (B, W, V)
@@ -180,113 +185,70 @@ class SpecSession:
         return tokens, parents, draft_logp, valid, valid
 
     def _draft_tree(self, slots, h_root, q_root_logits, depth: int, ctx: "_Sampling"):
-        """EAGLE-2 dynamic tree: expand the top-k nodes per depth, then keep the best `budget`.
+        """EAGLE-2 dynamic tree: expand the k best nodes of each depth, keep the best `budget`.
 
-        Candidates are indexed 1..M (0 = root). The draft re-runs the expanded part of the tree
-        in one block with a tree mask at each depth (it is one layer, so this is cheap) and
-        rolls its cache back afterwards."""
+        Candidates are indexed 0..M-1 (0 = the root x_L). Expanded nodes are appended to the
+        draft cache one depth at a time; a windowed mask lets each see only its ancestors among
+        the tree entries. The draft cache is rolled back to L afterwards."""
         k, budget = self.cfg.tree_topk, self.cfg.tree_budget
-        B, dev = slots.shape[0], slots.device
+        B, dev, H = slots.shape[0], slots.device, h_root.shape[-1]
+        M = 1 + k + (depth - 1) * k * k
+        rows = torch.arange(B, device=dev)[:, None]
+        tok = torch.zeros(B, M, dtype=torch.long, device=dev)
+        par = torch.full((B, M), -1, dtype=torch.long, device=dev)
+        score = torch.zeros(B, M, device=dev)  # cumulative draft log-prob of the path
+        valid = torch.zeros(B, M, dtype=torch.bool, device=dev)
+        anc = torch.zeros(B, M, M, dtype=torch.bool, device=dev)  # ancestor-or-self
+        valid[:, 0] = anc[:, 0, 0] = True
+        q0 = ctx.process(q_root_logits)  # (B, V)
+        cand_q = q0.new_full((B, M, q0.shape[-1]), float("-inf"))  # q of each node's children
+        cand_q[:, 0] = q0
+
+        def add_children(first: int, parents: torch.Tensor, q: torch.Tensor, d: int) -> torch.Tensor:
+            kids, ok = ctx.children(q.reshape(-1, q.shape[-1]), k, d)  # (B*P, k)
+            new = torch.arange(first, first + parents.shape[1] * k, device=dev)
+            p_ids = parents.repeat_interleave(k, dim=1)  # (B, P*k)
+            tok[:, new] = kids.reshape(B, -1)
+            par[:, new] = p_ids
+            score[:, new] = score.gather(1, p_ids) + q.reshape(B, -1, q.shape[-1]).gather(2, kids.reshape(B, -1, k)).reshape(B, -1)
+            valid[:, new] = ok.reshape(B, -1) & valid.gather(1, p_ids)
+            anc[:, new] = anc.gather(1, p_ids[..., None].expand(B, new.numel(), M))
+            anc[:, new, new] = True
+            return new
+
+        new = add_children(1, torch.zeros(B, 1, dtype=torch.long, device=dev), q0[:, None], 0)
+        frontier, frontier_h = new.expand(B, k), h_root[:, None].expand(B, k, H)
+        cached: list[torch.Tensor] = []  # candidate ids of the tree entries in the draft cache
         L0 = self.cache.lengths[slots]
-        tokens = [torch.zeros(B, dtype=torch.long, device=dev)]  # candidate 0 = root placeholder
-        parents = [torch.full((B,), -1, dtype=torch.long, device=dev)]
-        scores = [torch.zeros(B, device=dev)]
-        valid = [torch.ones(B, dtype=torch.bool, device=dev)]
-        qlist = [ctx.process(q_root_logits)]  # q of each candidate (for its children)
-        hidden_of = {0: h_root}  # candidate -> draft pre-norm output after consuming it
-        frontier = torch.zeros(B, 1, dtype=torch.long, device=dev)  # candidates to expand
-        for d in range(depth):
-            new_nodes = []
-            for j in range(frontier.shape[1]):
-                par = frontier[:, j]  # (B,)
-                pick = list(enumerate(par.tolist()))
-                q = torch.stack([qlist[p][b] for b, p in pick])  # (B, V)
-                kids, kid_ok = ctx.children(q, k, d)  # (B, k)
-                par_ok = torch.stack([valid[p][b] for b, p in pick])
-                par_score = torch.stack([scores[p][b] for b, p in pick])
-                for c in range(kids.shape[1]):
-                    tokens.append(kids[:, c])
-                    parents.append(par)
-                    scores.append(par_score + q.gather(1, kids[:, c : c + 1])[:, 0])
-                    valid.append(kid_ok[:, c] & par_ok)
-                    qlist.append(None)
-                    new_nodes.append(len(tokens) - 1)
-            if d + 1 == depth:
-                break
-            # choose the k best new candidates per row to expand next
-            new_idx = torch.tensor(new_nodes, device=dev)
-            new_scores = torch.stack([scores[i].masked_fill(~valid[i], float("-inf")) for i in new_nodes], 1)
-            top = new_scores.topk(min(k, len(new_nodes)), dim=1).indices  # (B, k')
-            frontier = new_idx[top]  # (B, k') candidate ids, differ per row
-            # run the draft on the expanded tree (all ancestors of the frontier) in one block
-            out_h, out_q = self._run_tree_block(slots, L0, frontier, tokens, parents, hidden_of)
-            for j in range(frontier.shape[1]):
-                for b in range(B):
-                    cid = int(frontier[b, j])
-                    if qlist[cid] is None:
-                        qlist[cid] = torch.full_like(qlist[0], float("-inf"))
-                        hidden_of[cid] = torch.zeros_like(h_root)
-                    qlist[cid][b] = ctx.process(out_q[b, j][None])[0]
-                    hidden_of[cid][b] = out_h[b, j]
-        cand_tokens = torch.stack(tokens, 1)  # (B, M+1)
-        cand_parents = torch.stack(parents, 1)
-        cand_valid = torch.stack(valid, 1)
-        cand_scores = torch.stack(scores, 1)
-        keep, new_parents, keep_valid = select_nodes(cand_scores, cand_parents, budget + 1, cand_valid)
-        V = qlist[0].shape[-1]
-        neg = torch.full((B, V), float("-inf"), device=dev)
-        cand_q = torch.stack([q if q is not None else neg for q in qlist], 1)  # (B, M+1, V)
+        first = 1 + k
+        for d in range(1, depth):
+            n_cached = len(cached) * k
+            mask = torch.zeros(B, k, n_cached + k, dtype=torch.bool, device=dev)
+            if cached:
+                cids = torch.cat(cached, 1)  # (B, n_cached)
+                a = anc.gather(1, frontier[..., None].expand(B, k, M))  # (B, k, M)
+                mask[:, :, :n_cached] = a.gather(2, cids[:, None, :].expand(B, k, n_cached))
+            mask[:, :, n_cached:] = torch.eye(k, dtype=torch.bool, device=dev)
+            positions = (L0 + d - 1)[:, None].expand(B, k)
+            h_out, q_logits = self._draft_step(slots, frontier_h, tok.gather(1, frontier), positions, mask)
+            cached.append(frontier)
+            q = ctx.process(q_logits)  # (B, k, V)
+            cand_q[rows, frontier] = q
+            new = add_children(first, frontier, q, d)
+            first += k * k
+            if d + 1 < depth:
+                top = score[:, new].masked_fill(~valid[:, new], float("-inf")).topk(k, dim=1).indices  # (B, k)
+                frontier = new[top]
+                frontier_h = h_out.gather(1, (top // k)[..., None].expand(B, k, H))
+        self.cache.rollback(slots, L0)
+        keep, new_parents, keep_valid = select_nodes(score, par, budget + 1, valid)
         if ctx.mode == "rejection":
             # keep pruned siblings of kept nodes in the sibling sequence (unverified) to stay lossless
-            keep, new_parents, keep_valid, verified = _with_pruned_siblings(keep, new_parents, keep_valid,
-                                                                           cand_parents, cand_valid)
+            keep, new_parents, keep_valid, verified = _with_pruned_siblings(keep, new_parents, keep_valid, par, valid)
         else:
             verified = keep_valid
-        rows = torch.arange(B, device=dev)[:, None]
-        tokens_k = cand_tokens[rows, keep][:, 1:]
         draft_logp = cand_q[rows, keep]  # (B, N, V) node -> q for its children
-        return tokens_k, new_parents[:, 1:], draft_logp, keep_valid[:, 1:], verified[:, 1:]
-
-    def _run_tree_block(self, slots, L0, frontier, tokens, parents, hidden_of):
-        """Draft outputs at the frontier candidates: the block holds the frontier and all their
-        non-root ancestors, with a tree mask; returns (h (B, k, H), q_logits (B, k, V))."""
-        B, dev = slots.shape[0], slots.device
-        outs_h, outs_q = [], []
-        # per row: ordered node list (ancestors first); rows may differ, pad to the same size
-        rows_nodes, rows_par = [], []
-        for b in range(B):
-            nodes = set()
-            for j in range(frontier.shape[1]):
-                c = int(frontier[b, j])
-                while c > 0:
-                    nodes.add(c)
-                    c = int(parents[c][b])
-            order = sorted(nodes)
-            rows_nodes.append(order)
-        T = max(len(o) for o in rows_nodes)
-        ids = torch.zeros(B, T, dtype=torch.long, device=dev)
-        hid = torch.zeros(B, T, hidden_of[0].shape[-1], dtype=hidden_of[0].dtype, device=dev)
-        par = torch.full((B, T), -1, dtype=torch.long, device=dev)
-        ok = torch.zeros(B, T, dtype=torch.bool, device=dev)
-        for b, order in enumerate(rows_nodes):
-            pos_of = {c: i for i, c in enumerate(order)}
-            for i, c in enumerate(order):
-                p = int(parents[c][b])
-                ids[b, i] = tokens[c][b]
-                hid[b, i] = hidden_of[p][b]
-                par[b, i] = pos_of.get(p, -1)
-                ok[b, i] = True
-        mask = tree_attention_mask(par, ok)
-        positions = L0[:, None] + node_depths(par)
-        h, q = self._draft_step(slots, hid, ids, positions=positions, mask=mask)
-        self.cache.rollback(slots, L0)
-        for b, order in enumerate(rows_nodes):
-            pos_of = {c: i for i, c in enumerate(order)}
-            sel = [pos_of[int(c)] for c in frontier[b].tolist()]
-            outs_h.append(h[b, sel])
-            outs_q.append(q[b, sel])
-        return torch.stack(outs_h), torch.stack(outs_q)
-
+        return tok[rows, keep][:, 1:], new_parents[:, 1:], draft_logp, keep_valid[:, 1:], verified[:, 1:]
 
 def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_valid):
     """Rejection sampling over siblings needs every drafted sibling that precedes an accepted
@@ -333,7 +295,11 @@ class _Sampling:
         self.first_step = torch.tensor([len(s.tokens) for s in states], device=dev)  # index of x_{L+1}
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Log-probs to draw from. Greedy keeps the full draft distribution (not one-hot) so trees
+        can rank several children; greedy verification looks at the target's argmax only."""
         p = self.params
+        if self.mode == "greedy":
+            return logits.float().log_softmax(-1)
         return process_logits(logits, p.temperature, p.top_k, p.top_p)
 
     def propose(self, q: torch.Tensor, depth: int) -> torch.Tensor:
@@ -347,8 +313,11 @@ class _Sampling:
         if self.mode == "greedy":
             top = q.topk(min(k, q.shape[-1]), dim=-1)
             return top.indices, torch.isfinite(top.values)
-        if self.mode == "coupled":
-            return acc.propose_coupled_topk(q, k, self.params.seed, self.rids, self.first_step + depth)
+        if self.mode == "coupled":  # q may hold several parents per sequence: (B * P, V)
+            per_row = q.shape[0] // self.rids.shape[0]
+            rids = self.rids.repeat_interleave(per_row)
+            steps = (self.first_step + depth).repeat_interleave(per_row)
+            return acc.propose_coupled_topk(q, k, self.params.seed, rids, steps)
         return acc.sample_children_without_replacement(q, k, self.generator)
 
     def verify(self, parents, tokens, valid, verified, draft_logp, target_logp, target_logits):

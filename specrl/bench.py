@@ -56,3 +56,122 @@ def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int]
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+# -- speculative decoding speed ------------------------------------------------------------
+def _median_seconds(fn, repeats: int = 15) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def step_costs(policy, draft, prompts: list[list[int]], spec_cfg) -> dict:
+    """Seconds of one single-token target step, one verify forward and one draft step, at this batch.
+
+    Each is timed on caches prefilled with the prompts and rolled back after every call, so
+    all three see the same context lengths."""
+    from rollout.speculative import Speculator
+    from rollout.tree import tree_attention_mask
+    from target_training.model import KVCache
+
+    B = len(prompts)
+    cfg = policy.cfg
+    spec = Speculator(draft, spec_cfg)
+    cache = KVCache.for_model(cfg, B, cfg.max_seq_len + spec.block_slack())
+    dcache = draft.new_cache(B, cfg.max_seq_len + spec.block_slack())
+    T = max(len(p) for p in prompts)
+    ids = torch.zeros(B, T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    slots = torch.arange(B)
+    out = policy(ids, cache=cache, tap_layers=cfg.feature_layer_ids)
+    cache.rollback(slots, lens)
+    feats = out.features(cfg.feature_layer_ids)
+    draft(ids, feats, cache=dcache)
+    dcache.rollback(slots, lens)
+    taps = cfg.feature_layer_ids
+    if spec_cfg.mode == "chain":
+        n_verify, n_draft = spec_cfg.gamma + 1, 1
+        parents = torch.arange(-1, n_verify - 1).expand(B, n_verify)
+    else:
+        n_verify, n_draft = spec_cfg.tree_budget + 1, spec_cfg.tree_topk
+        parents = torch.tensor([-1] + [(i - 1) // spec_cfg.tree_topk for i in range(1, n_verify)]).expand(B, n_verify)
+    vmask = tree_attention_mask(parents, torch.ones(B, n_verify, dtype=torch.bool))
+    one = ids[:, :1]
+    block = ids[:, :1].expand(B, n_verify).contiguous()
+    dh = torch.zeros(B, n_draft, draft.cfg.hidden_size)
+    dids = ids[:, :1].expand(B, n_draft).contiguous()
+
+    def target_step():
+        policy(one, cache=cache, slots=slots, tap_layers=taps)
+        cache.rollback(slots, lens)
+
+    def verify():
+        policy(block, cache=cache, slots=slots, attn_mask=vmask, tap_layers=taps)
+        cache.rollback(slots, lens)
+
+    def draft_step():
+        draft(dids, dh, cache=dcache, slots=slots)
+        dcache.rollback(slots, lens)
+
+    t1, tv, td = _median_seconds(target_step), _median_seconds(verify), _median_seconds(draft_step)
+    return {"target_step_s": t1, "verify_s": tv, "draft_step_s": td, "verify_cost": tv / t1, "c": td / t1,
+            "verify_tokens": n_verify}
+
+
+def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
+                chain_gamma: int = 4, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
+                prompts_per_batch: int = 3, temperature: float = 0.0) -> dict:
+    """Plain, chain and tree decoding at each batch size, all in one process, plus the measured
+    parts of the speed-up bound: accept length, per-token acceptance, draft cost c, verify cost."""
+    from rollout.speculative import SpecConfig, Speculator
+    from specrl.drafts import DraftTrainConfig, cached_offline_draft
+
+    preset = get_preset(preset_name)
+    cache_dir = cache_dir or default_cache_dir()
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir)
+    draft_prompts = encode_prompts(tokenizer, task.examples("train", 1024, seed + 7))
+    draft, _ = cached_offline_draft(policy, draft_prompts, DraftTrainConfig(max_new_tokens=preset.max_new_tokens),
+                                    (tokenizer.eos_id,), cache_dir)
+    params = rollout_params(preset, tokenizer, seed, greedy=temperature == 0.0)
+    params.temperature = temperature
+    modes = {"chain": SpecConfig(mode="chain", gamma=chain_gamma),
+             "tree": SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)}
+    rows = []
+    for b in batches:
+        prompts = encode_prompts(tokenizer, task.examples("heldout", b * prompts_per_batch, seed))
+        plain = timed_generate(EmbeddedEngine(policy, EngineConfig(max_batch=b)), prompts, params, repeats=3)
+        rows.append({"batch": b, "mode": "plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0})
+        for mode, scfg in modes.items():
+            engine = EmbeddedEngine(policy, EngineConfig(max_batch=b), speculator=Speculator(draft, scfg))
+            r = timed_generate(engine, prompts, params, repeats=3)
+            same = [t.token_ids for t in r["trajectories"]] == [t.token_ids for t in plain["trajectories"]]
+            stats = [t.spec for t in r["trajectories"]]
+            verify = sum(s.verify_steps for s in stats)
+            accept_length = (sum(s.accepted for s in stats) + verify) / max(1, verify)
+            alpha = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
+            costs = step_costs(policy, draft, prompts[:b], scfg)
+            bound = accept_length / (costs["verify_cost"] + scfg.gamma * costs["c"])
+            speedup = r["tokens_per_s"] / plain["tokens_per_s"]
+            rows.append({"batch": b, "mode": mode, "tokens_per_s": r["tokens_per_s"], "speedup": speedup,
+                         "accept_length": accept_length, "alpha": alpha, "gamma": scfg.gamma, "c": costs["c"],
+                         "verify_cost": costs["verify_cost"], "verify_tokens": costs["verify_tokens"],
+                         "bound": bound, "efficiency": speedup / bound, "identical_to_plain": same})
+        for row in rows[-3:]:
+            extra = "" if row["mode"] == "plain" else (
+                f"  tau {row['accept_length']:.2f}  alpha {row['alpha']:.2f}  c {row['c']:.2f}  "
+                f"verify {row['verify_cost']:.2f}  bound {row['bound']:.2f}  eff {row['efficiency']:.2f}")
+            print(f"batch {b:>3} {row['mode']:>5}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}{extra}")
+    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
+    summary = {"benchmark": "speed", "task": task_name, "preset": preset_name, "temperature": temperature,
+               "rows": rows, "machine": machine_info()}
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = bsub.add_parser("generate", help="plain generation tokens/s at batch 1, 4, 16")
     _add_common(g)
     g.add_argument("--batches", default="1,4,16")
+    s = bsub.add_parser("speed", help="plain vs chain vs tree speculative decoding at batch 1, 4, 16")
+    _add_common(s)
+    s.add_argument("--batches", default="1,4,16")
+    s.add_argument("--temperature", type=float, default=0.0)
     return parser
 
 
@@ -56,6 +60,11 @@ def run(args: argparse.Namespace) -> dict:
 
         return bench_generate(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
                               seed=args.seed, cache_dir=args.cache_dir)
+    if args.command == "bench" and args.bench == "speed":
+        from specrl.bench import bench_speed
+
+        return bench_speed(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
+                           seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
     raise ValueError(f"unknown command {args.command!r}")
 
 

@@ -79,7 +79,7 @@ def train_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, log=pr
     t0 = time.perf_counter()
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids,
                             seed=cfg.seed)
-    seqs, masks = rollout_records(policy, prompts, params, request_offset=10_000_000)
+    seqs, masks = rollout_records(policy, prompts[: cfg.n_sequences], params, request_offset=10_000_000)
     draft = new_draft(policy, seqs, cfg)
     fit_draft(draft, policy, seqs, masks, cfg, log)
     return draft, {"draft_train_s": time.perf_counter() - t0}

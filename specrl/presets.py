@@ -23,6 +23,7 @@ class RunPreset:
     max_new_tokens: int
     temperature: float = 1.0
     eval_prompts: int = 64
+    eval_samples: int = 4  # sampled completions per held-out prompt
     checkpoint_every: int = 5
     max_batch: int = 64
     task_kwargs: dict = field(default_factory=dict)
@@ -46,7 +47,7 @@ RL_PRESETS: dict[str, RunPreset] = {
                     max_new_tokens=48, eval_prompts=16, checkpoint_every=1, max_batch=16),
     # The quick CPU run: a few minutes on 2 cores.
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
-                       grpo=GRPOConfig(lr=2e-4), rl_steps=30, prompts_per_step=8, group_size=8,
+                       grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,

@@ -29,6 +29,9 @@ class RunDirError(ValueError):
     pass
 
 
+EVAL_REQUEST_OFFSET = 1 << 40  # request ids of evaluation samples, disjoint from training rollouts
+
+
 def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print, progress=False):
     tokenizer = CharTokenizer()
     task = get_task(task_name, **preset.task_kwargs)
@@ -52,11 +55,18 @@ def score(task, tokenizer, examples, trajectories) -> list[float]:
     return [task.reward(ex, tokenizer.decode(t.token_ids)) for ex, t in zip(examples, trajectories)]
 
 
-def evaluate(engine, task, tokenizer, examples, preset: RunPreset, seed: int) -> float:
-    """Mean greedy reward on held-out examples."""
-    trajs = engine.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed, greedy=True))
-    rewards = score(task, tokenizer, examples, trajs)
-    return sum(rewards) / len(rewards)
+def evaluate(engine, task, tokenizer, examples, preset: RunPreset, seed: int) -> dict:
+    """Held-out reward under the rollout's own sampling (the quantity GRPO maximises), averaged
+    over `eval_samples` samples per prompt with fixed request ids, plus greedy accuracy."""
+    k = preset.eval_samples
+    reps = [ex for ex in examples for _ in range(k)]
+    prompts = encode_prompts(tokenizer, reps)
+    ids = [EVAL_REQUEST_OFFSET + i for i in range(len(reps))]
+    sampled = engine.generate(prompts, rollout_params(preset, tokenizer, seed), request_ids=ids)
+    rewards = score(task, tokenizer, reps, sampled)
+    greedy = engine.generate(prompts[::k], rollout_params(preset, tokenizer, seed, greedy=True))
+    correct = [task.is_correct(ex, tokenizer.decode(t.token_ids)) for ex, t in zip(examples, greedy)]
+    return {"reward": sum(rewards) / len(rewards), "greedy_accuracy": sum(correct) / len(correct)}
 
 
 def step_examples(task, pool, preset: RunPreset, seed: int, step: int):
@@ -99,18 +109,18 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
     heldout = task.examples("heldout", preset.eval_prompts, seed)
     pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
 
-    start_step, reward_start = 0, None
+    start_step, eval_start = 0, None
     if resume:
         ckpt_model, _, _, state = load_checkpoint(out / "ckpt", policy.cfg)
         policy.load_state_dict(ckpt_model.state_dict())
         trainer.load_state_dict(state["trainer"])
         torch.set_rng_state(state["torch_rng"])
-        start_step, reward_start = state["trainer"]["step"], state["reward_start"]
+        start_step, eval_start = state["trainer"]["step"], state["eval_start"]
         truncate_metrics(out / "metrics.jsonl", start_step - 1)
         log(f"[rl] resumed from {out / 'ckpt'} at step {start_step}")
-    if reward_start is None:
-        reward_start = evaluate(engine, task, tokenizer, heldout, preset, seed)
-    log(f"[rl] held-out reward at start: {reward_start:.3f}")
+    if eval_start is None:
+        eval_start = evaluate(engine, task, tokenizer, heldout, preset, seed)
+    log(f"[rl] held-out reward at start: {eval_start['reward']:.3f} (greedy accuracy {eval_start['greedy_accuracy']:.3f})")
 
     bar = tqdm(range(start_step, preset.rl_steps), desc="grpo", disable=not progress, initial=start_step,
                total=preset.rl_steps)
@@ -131,14 +141,17 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
         if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.rl_steps:
             save_checkpoint(out / "ckpt", policy, policy.cfg, optimizer=None,
                             state={"trainer": trainer.state_dict(), "torch_rng": torch.get_rng_state(),
-                                   "reward_start": reward_start})
+                                   "eval_start": eval_start})
 
-    reward_end = evaluate(engine, task, tokenizer, heldout, preset, seed)
+    eval_end = evaluate(engine, task, tokenizer, heldout, preset, seed)
     summary = {"task": task_name, "preset": preset_name, "seed": seed, "rl_steps": preset.rl_steps,
-               "reward_start": reward_start, "reward_end": reward_end, "eval_prompts": len(heldout),
+               "reward_start": eval_start["reward"], "reward_end": eval_end["reward"],
+               "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
+               "eval_prompts": len(heldout), "eval_samples_per_prompt": preset.eval_samples,
                "sft_cached": sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    log(f"[rl] held-out reward: start {reward_start:.3f} -> end {reward_end:.3f} ({summary['wall_s']:.0f}s)")
+    log(f"[rl] held-out reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f} "
+        f"({summary['wall_s']:.0f}s)")
     return summary
 
 

@@ -71,7 +71,12 @@ class KVCache:
         return cls(cfg.num_layers, batch_size, max_len or cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim, device, dtype)
 
     def begin_block(self, slots: torch.Tensor | None, T: int, attn_mask: torch.Tensor | None = None) -> "CacheBlock":
-        """Plan the write of T new tokens per slot: where they go and what they may attend to."""
+        """Plan the write of T new tokens per slot: where they go and what they may attend to.
+
+        attn_mask (B, T, W), W >= T, covers the last W keys of each row (its W - T newest cached
+        entries, then the block); older keys are always visible. W = T is a plain block mask
+        (tree verification); W > T lets a block see only some recent entries (draft trees).
+        Default: causal within the block."""
         slots = self.all_slots()[: attn_mask.shape[0] if attn_mask is not None else self.batch_size] if slots is None else slots
         B = slots.shape[0]
         device = self.lengths.device
@@ -79,14 +84,19 @@ class KVCache:
         end = int(start.max()) + T
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: need {end} positions, cache holds {self.max_len}")
+        if attn_mask is None:
+            attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        W = attn_mask.shape[-1]
+        if W < T or bool((start < W - T).any()):
+            raise ValueError(f"attn_mask window of {W} keys does not fit a block of {T} after the cached entries")
         offs = torch.arange(T, device=device)
         keys = torch.arange(end, device=device)  # (S,)
-        prefix = keys[None, None, :] < start[:, None, None]  # (B, 1, S)
-        rel = keys[None, :] - start[:, None]  # (B, S) position inside the new block
-        in_block = (rel >= 0) & (rel < T)
-        block_mask = attn_mask if attn_mask is not None else torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
-        gathered = torch.gather(block_mask, 2, rel.clamp(0, T - 1)[:, None, :].expand(B, T, end))  # (B, T, S)
-        mask = (prefix | (in_block[:, None, :] & gathered))[:, None]  # (B, 1, T, S)
+        win0 = start + T - W  # (B,) first key under the mask
+        prefix = keys[None, None, :] < win0[:, None, None]  # (B, 1, S)
+        rel = keys[None, :] - win0[:, None]  # (B, S) position inside the window
+        in_win = (rel >= 0) & (rel < W)
+        gathered = torch.gather(attn_mask, 2, rel.clamp(0, W - 1)[:, None, :].expand(B, T, end))  # (B, T, S)
+        mask = (prefix | (in_win[:, None, :] & gathered))[:, None]  # (B, 1, T, S)
         return CacheBlock(self, slots, start, start[:, None] + offs, end, mask)
 
     def all_slots(self) -> torch.Tensor:
@@ -283,8 +293,10 @@ class MoETransformer(nn.Module):
         B, T = input_ids.shape
         if input_ids.dtype != torch.long:
             raise TypeError(f"input_ids must be int64, got {input_ids.dtype}")
-        if attn_mask is not None and attn_mask.shape != (B, T, T):
-            raise ValueError(f"attn_mask must have shape {(B, T, T)}, got {tuple(attn_mask.shape)}")
+        if attn_mask is not None and (attn_mask.shape[:2] != (B, T) or attn_mask.shape[2] < T
+                                      or (cache is None and attn_mask.shape[2] != T)):
+            raise ValueError(f"attn_mask must have shape {(B, T, T)} (or (B, T, W > T) with a cache), "
+                             f"got {tuple(attn_mask.shape)}")
         block, mask = None, None
         if cache is None:
             if T > self.cfg.max_seq_len:

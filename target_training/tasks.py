@@ -119,6 +119,15 @@ class Task:
         """Score of a parsed answer in [0, 1]; exact match by default."""
         return 1.0 if parsed is not None and parsed == example.answer else 0.0
 
+    @staticmethod
+    def partial_credit(got: list, want: list) -> float:
+        """Half credit times the share of positions that agree (over the longer list), so a
+        wrong answer with more right parts earns more, and only the exact answer earns 1."""
+        if got == want:
+            return 1.0
+        right = sum(g == w for g, w in zip(got, want))
+        return 0.5 * right / max(len(got), len(want), 1)
+
     def follows_rare_style(self, example: Example, completion: str) -> bool:
         """True when the completion is the rare style with every step right.
 
@@ -200,6 +209,12 @@ class ArithTask(Task):
         match = self._final.search(completion.strip())
         return match.group(1) if match else None
 
+    def answer_score(self, example: Example, parsed: str | None) -> float:
+        """1 for the exact sum; else partial credit per digit, aligned from the units digit."""
+        if parsed is None:
+            return 0.0
+        return self.partial_credit(list(parsed[::-1]), list(example.answer[::-1]))
+
 
 # --- sorting ----------------------------------------------------------------------
 class SortTask(Task):
@@ -250,12 +265,7 @@ class SortTask(Task):
     def answer_score(self, example: Example, parsed: str | None) -> float:
         if parsed is None:
             return 0.0
-        if parsed == example.answer:
-            return 1.0
-        got = [int(t) for t in parsed.split()]
-        want = [int(t) for t in example.answer.split()]
-        right = sum(g == w for g, w in zip(got, want))
-        return 0.5 * right / max(len(got), len(want))
+        return self.partial_credit([int(t) for t in parsed.split()], [int(t) for t in example.answer.split()])
 
 
 # --- user data --------------------------------------------------------------------

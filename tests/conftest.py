@@ -19,3 +19,27 @@ def tiny_model(tiny_cfg):
 def prompts():
     g = torch.Generator().manual_seed(1)
     return [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+
+
+@pytest.fixture(scope="session")
+def sft_policy(tmp_path_factory):
+    """The CI-preset SFT policy on the arith task (trained once per session, a few seconds)."""
+    from specrl.presets import get_preset
+    from specrl.train_rl import build_task_and_policy
+
+    cache = tmp_path_factory.mktemp("cache")
+    tokenizer, task, policy, _ = build_task_and_policy("arith", get_preset("ci"), cache, log=lambda *a: None)
+    return tokenizer, task, policy, cache
+
+
+@pytest.fixture(scope="session")
+def offline_draft(sft_policy):
+    """A draft trained offline on the SFT policy's rollouts, so speculation accepts tokens."""
+    from specrl.drafts import DraftTrainConfig, cached_offline_draft
+    from specrl.train_rl import encode_prompts
+
+    tokenizer, task, policy, cache = sft_policy
+    prompts = encode_prompts(tokenizer, task.examples("train", 256, 5))
+    cfg = DraftTrainConfig(n_sequences=256, steps=120, batch_size=32, max_new_tokens=48)
+    draft, _ = cached_offline_draft(policy, prompts, cfg, (tokenizer.eos_id,), cache, log=lambda *a: None)
+    return draft

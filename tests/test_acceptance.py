@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from stats_utils import chi2_pvalue
 
 from rollout import acceptance as acc
 from rollout.sampling import process_logits, sample
@@ -26,24 +27,6 @@ NEG = float("-inf")
 
 
 # ----------------------------------------------------------------------------- helpers
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, float]:
-    """(statistic, degrees of freedom, p-value) of observed counts against exact probs."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    n = counts.sum()
-    if counts[probs <= 0].sum() > 0:  # emitted something the target can never emit
-        return float("inf"), 0, 0.0
-    expected = probs * n
-    big = expected >= 5
-    obs = torch.cat([counts[big], counts[~big & (probs > 0)].sum()[None]])
-    exp = torch.cat([expected[big], expected[~big & (probs > 0)].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = int(keep.sum()) - 1
-    pval = torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2)
-    return float(stat), df, float(pval)
-
-
 def make_case(name: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and draft log-prob tables (V, V): row = previous token."""
     g = torch.Generator().manual_seed(seed)

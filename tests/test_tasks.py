@@ -125,13 +125,23 @@ def test_sft_completion_follows_style_weights(task):
 
 
 # --- rewards for wrong answers -------------------------------------------------------
-def test_arith_wrong_answers_get_zero():
+def test_arith_wrong_answers_get_less_than_one():
     t = ArithTask()
     for e in t.examples("train", 100, seed=4):
         wrong = str(int(e.answer) + 1)
-        for c in (f"ans {wrong}", t.completion(e, "steps")[: -len(e.answer)] + wrong,
-                  t.completion(e, "cols") + ";", "", "ans", e.answer + " 1"):
-            assert t.reward(e, c) == 0.0 and not t.is_correct(e, c)
+        for c in (f"ans {wrong}", t.completion(e, "steps")[: -len(e.answer)] + wrong):
+            assert t.reward(e, c) < 0.5 and not t.is_correct(e, c)  # partial credit only
+        for c in (t.completion(e, "cols") + ";", "", "ans", e.answer + " 1"):
+            assert t.reward(e, c) == 0.0 and not t.is_correct(e, c)  # unparseable
+
+
+def test_arith_partial_credit_counts_digits_from_the_units():
+    t = ArithTask()
+    e = Example("347+586=", "933", {"a": 347, "b": 586})
+    assert t.reward(e, "ans 933") == 1.0
+    assert t.reward(e, "ans 934") == pytest.approx(0.5 * 2 / 3)  # tens and hundreds right
+    assert t.reward(e, "ans 33") == pytest.approx(0.5 * 2 / 3)  # a missing leading digit
+    assert t.reward(e, "ans 111") == 0.0
 
 
 def test_sort_partial_credit():

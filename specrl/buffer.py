@@ -1,0 +1,262 @@
+"""A bounded feature buffer for online EAGLE-3 draft training.
+
+Why it exists: the policy changes at every RL step, so the draft must keep learning from the
+target features of the *current* policy (DESIGN.md section 1). Two sources feed it at no extra
+forward pass: the rollout engine, which computes the target's hidden states at every verified
+position anyway (`add_trajectories`, hard labels), and the policy trainer's own log-prob forward
+on the very same sequences (`add_from_trainer_forward`, soft targets from its logits).
+
+Records have the format of `draft_models.train.capture_features`, so `draft_models.train.collate`
+and `draft_models.ttt.ttt_loss` consume them unchanged:
+    {"input_ids": (T,) int64, "features": (T, 3H) half, "target_logp": (T, Vd) fp16 or None,
+     "loss_mask": (T,) bool}
+plus the buffer's own keys "policy_version" (int) and "weight_per_pos" ((T,) float32 or None).
+
+Memory is bounded in bytes (every stored tensor counted). Each entry is tagged with the policy
+version that produced it; when a new entry does not fit, the stalest entries go first (lowest
+version, then oldest insertion): features of an old policy describe a target that no longer
+exists. Acceptance statistics double as a training signal: sequences where the draft was rejected
+most are the ones it needs to learn, so `sample(prefer_rejected=...)` can replay them more often.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+
+import torch
+
+from draft_models.train import _LOGP_FLOOR
+from draft_models.vocab import restrict_to_draft
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+class FeatureBuffer:
+    """Version-tagged, byte-bounded store of draft training records (see the module docstring)."""
+
+    def __init__(self, budget_bytes: int, feature_dtype: torch.dtype = torch.float16, seed: int = 0):
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
+            raise ValueError(f"FeatureBuffer budget_bytes must be a positive integer, got {budget_bytes!r}")
+        if not feature_dtype.is_floating_point:
+            raise ValueError(f"FeatureBuffer feature_dtype must be a floating dtype, got {feature_dtype}")
+        self.budget_bytes = budget_bytes
+        self.feature_dtype = feature_dtype
+        self.seed = int(seed)
+        self._gen = torch.Generator().manual_seed(self.seed)
+        self._entries: dict[int, dict] = {}  # insertion id -> entry, in insertion order
+        self._heap: list[tuple[int, int]] = []  # (policy_version, insertion id); lazy deletion
+        self._ids = itertools.count()
+        self._bytes = 0
+        self.counters = {"added": 0, "evicted": 0, "rejected_oversized": 0, "skipped_empty": 0}
+
+    # ------------------------------------------------------------------ core
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def add(self, record: dict, policy_version: int, weight_per_pos: torch.Tensor | None = None) -> bool:
+        """Store one record (tensors moved to CPU, features cast to feature_dtype); evict the stalest
+        entries until it fits. Returns False (and counts it) when the record alone exceeds the budget
+        or has no token to predict."""
+        ids = torch.as_tensor(record["input_ids"]).detach().to("cpu", torch.long).reshape(-1)
+        T = ids.numel()
+        feats = record["features"].detach().to("cpu", self.feature_dtype)
+        mask = torch.as_tensor(record["loss_mask"]).detach().to("cpu", torch.bool).reshape(-1)
+        logp = record.get("target_logp")
+        logp = None if logp is None else logp.detach().to("cpu", torch.float16)
+        if feats.dim() != 2 or feats.shape[0] != T or mask.numel() != T or (logp is not None and logp.shape[0] != T):
+            lshape = None if logp is None else tuple(logp.shape)
+            raise ValueError(f"record shapes disagree: input_ids ({T},), features {tuple(feats.shape)}, "
+                             f"loss_mask {tuple(mask.shape)}, target_logp {lshape}")
+        if not bool(mask.any()):
+            self.counters["skipped_empty"] += 1
+            return False
+        w = None
+        rejection = None
+        if weight_per_pos is not None:
+            w = torch.as_tensor(weight_per_pos).detach().to("cpu", torch.float32).reshape(-1)
+            if w.numel() != T:
+                raise ValueError(f"weight_per_pos has {w.numel()} entries for {T} tokens")
+            rejection = float(w[mask].mean())  # the sampling weight of the whole sequence
+        entry = {"input_ids": ids, "features": feats, "target_logp": logp, "loss_mask": mask,
+                 "weight_per_pos": w, "policy_version": int(policy_version), "rejection": rejection}
+        size = sum(_nbytes(entry[k]) for k in ("input_ids", "features", "target_logp", "loss_mask", "weight_per_pos"))
+        if size > self.budget_bytes:
+            self.counters["rejected_oversized"] += 1
+            return False
+        while self._bytes + size > self.budget_bytes:
+            self._evict_stalest()
+        entry["nbytes"] = size
+        key = next(self._ids)
+        self._entries[key] = entry
+        heapq.heappush(self._heap, (entry["policy_version"], key))
+        self._bytes += size
+        self.counters["added"] += 1
+        return True
+
+    def _evict_stalest(self) -> None:
+        while True:
+            _, key = heapq.heappop(self._heap)
+            entry = self._entries.pop(key, None)
+            if entry is not None:
+                self._bytes -= entry["nbytes"]
+                self.counters["evicted"] += 1
+                return
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._heap.clear()
+        self._bytes = 0
+
+    # ------------------------------------------------------------------ sources
+    @torch.no_grad()
+    def add_from_trainer_forward(self, input_ids: torch.Tensor, features: torch.Tensor, logits: torch.Tensor | None,
+                                 response_mask: torch.Tensor, d2t: torch.Tensor, policy_version: int) -> int:
+        """Hook-side source: one record per row of the policy trainer's log-prob forward.
+
+        Soft targets are the target's log-probs at the draft vocabulary, not renormalised, fp16,
+        clamped like capture_features. They are computed as restrict_to_draft(logits) minus the
+        full-vocabulary logsumexp, which equals restrict_to_draft(log_softmax(logits)) without
+        materialising a second (B, T, V) fp32 tensor. Right padding is trimmed: a row's length is
+        its last response position + 1; rows without a response token are skipped.
+        Returns the number of records stored."""
+        B, T = input_ids.shape
+        if features.shape[:2] != (B, T) or response_mask.shape != (B, T):
+            raise ValueError(f"features {tuple(features.shape)} and response_mask {tuple(response_mask.shape)} "
+                             f"must match input_ids {(B, T)}")
+        mask = response_mask.detach().to(torch.bool)
+        logp = None
+        if logits is not None:
+            if logits.shape[:2] != (B, T):
+                raise ValueError(f"logits {tuple(logits.shape)} must match input_ids {(B, T)}")
+            lg = logits.detach().float()
+            logp = restrict_to_draft(lg, d2t.to(lg.device)) - torch.logsumexp(lg, dim=-1, keepdim=True)
+            logp = logp.clamp_min(_LOGP_FLOOR).to(torch.float16)
+        pos = torch.arange(T, device=mask.device)
+        lengths = (torch.where(mask, pos, torch.full_like(pos, -1)).amax(-1) + 1).tolist()
+        stored = 0
+        for b, n in enumerate(lengths):
+            if n <= 0:
+                self.counters["skipped_empty"] += 1
+                continue
+            rec = {"input_ids": input_ids[b, :n], "features": features[b, :n].detach(),
+                   "target_logp": None if logp is None else logp[b, :n], "loss_mask": mask[b, :n]}
+            stored += self.add(rec, policy_version)
+        return stored
+
+    def logprob_hook(self, layer_ids: Sequence[int], d2t: torch.Tensor, policy_version: Callable[[], int],
+                     soft_targets: bool = True):
+        """A callable for GRPOTrainer.logprob_hooks (set the trainer's tap_layers to layer_ids too);
+        policy_version() is read at call time."""
+        layer_ids = tuple(layer_ids)
+
+        def hook(input_ids, out, response_mask):
+            self.add_from_trainer_forward(input_ids, out.features(layer_ids), out.logits if soft_targets else None,
+                                          response_mask, d2t, policy_version())
+
+        return hook
+
+    def add_trajectories(self, trajectories: Sequence, policy_version: int) -> int:
+        """Engine-side source: trajectories with captured features (others are skipped).
+
+        Trajectory.features covers P + n - 1 positions (none for the last token, which is never an
+        input), so a zero row pads it to T = P + n; the last row is never read by ttt_loss. Hard
+        labels (target_logp None); the loss is on the response tokens. With acceptance statistics,
+        the per-position weight is the sequence's rejection rate 1 - accepted / drafted on its
+        response tokens: SpecStats are per sequence and per draft depth, not per position, so no
+        finer attribution is possible. Returns the number of records stored."""
+        stored = 0
+        for traj in trajectories:
+            if traj.features is None:
+                continue
+            P, n = len(traj.prompt_ids), len(traj.token_ids)
+            T = P + n
+            feats = traj.features.detach()
+            if feats.dim() != 2 or feats.shape[0] != T - 1:
+                raise ValueError(f"trajectory {traj.request_id}: features {tuple(feats.shape)} for {T} tokens "
+                                 f"(expected {T - 1} rows)")
+            feats = feats.to("cpu", self.feature_dtype)
+            feats = torch.cat([feats, feats.new_zeros(1, feats.shape[1])], 0)
+            mask = torch.zeros(T, dtype=torch.bool)
+            mask[P:] = True
+            w = None
+            spec = getattr(traj, "spec", None)
+            if spec is not None and spec.drafted > 0:
+                w = mask.float() * (1.0 - spec.accepted / spec.drafted)
+            rec = {"input_ids": torch.tensor(traj.full_ids, dtype=torch.long), "features": feats,
+                   "target_logp": None, "loss_mask": mask}
+            stored += self.add(rec, policy_version, w)
+        return stored
+
+    # ------------------------------------------------------------------ sampling
+    def sample(self, n: int, generator: torch.Generator | None, prefer_rejected: float = 0.0,
+               min_version: int | None = None) -> list[dict]:
+        """n records drawn with weights (1 - prefer_rejected) * uniform + prefer_rejected * rejection
+        weight (normalised; entries without acceptance statistics get the mean known weight, so
+        neither source is starved; with none known the mix is uniform). min_version restricts the
+        draw to entries of that policy version or newer (recency). Without replacement when enough
+        entries have positive weight, else with replacement. Returned dicts share the stored
+        tensors: read them, do not modify them in place. generator None uses the buffer's own."""
+        if n < 0 or not 0.0 <= prefer_rejected <= 1.0:
+            raise ValueError(f"sample needs n >= 0 and prefer_rejected in [0, 1], got {n}, {prefer_rejected}")
+        entries = [e for e in self._entries.values() if min_version is None or e["policy_version"] >= min_version]
+        if n == 0 or not entries:
+            return []
+        uniform = torch.full((len(entries),), 1.0 / len(entries), dtype=torch.float64)
+        weights = uniform
+        known = [e["rejection"] for e in entries if e["rejection"] is not None]
+        if prefer_rejected > 0 and known and sum(known) > 0:
+            fill = sum(known) / len(known)
+            rej = torch.tensor([fill if e["rejection"] is None else e["rejection"] for e in entries],
+                               dtype=torch.float64).clamp_min(0.0)
+            weights = (1.0 - prefer_rejected) * uniform + prefer_rejected * rej / rej.sum()
+        replacement = n > int((weights > 0).sum())
+        idx = torch.multinomial(weights, n, replacement=replacement,
+                                generator=generator if generator is not None else self._gen).tolist()
+        keys = ("input_ids", "features", "target_logp", "loss_mask", "weight_per_pos", "policy_version")
+        return [{k: entries[i][k] for k in keys} for i in idx]
+
+    # ------------------------------------------------------------------ reporting and checkpoints
+    def stats(self) -> dict:
+        versions = [e["policy_version"] for e in self._entries.values()]
+        return {"entries": len(self._entries), "bytes": self._bytes, "budget": self.budget_bytes,
+                "version_min": min(versions) if versions else None,
+                "version_max": max(versions) if versions else None,
+                "with_soft_targets": sum(e["target_logp"] is not None for e in self._entries.values()),
+                "with_spec_weight": sum(e["rejection"] is not None for e in self._entries.values()),
+                "tokens_to_predict": sum(int(e["loss_mask"].sum()) for e in self._entries.values()),
+                **self.counters}
+
+    def state_dict(self, include_tensors: bool = False) -> dict:
+        """Metadata (budget, seed, counters, the version of each entry, the sampling RNG); with
+        include_tensors also the entries themselves. Features are cheap to regenerate from the next
+        rollouts, so checkpoints normally leave them out."""
+        sd = {"budget_bytes": self.budget_bytes, "seed": self.seed, "feature_dtype": str(self.feature_dtype),
+              "counters": dict(self.counters), "rng": self._gen.get_state(),
+              "versions": [e["policy_version"] for e in self._entries.values()]}
+        if include_tensors:
+            sd["entries"] = [{k: v for k, v in e.items() if k not in ("nbytes", "rejection")}
+                             for e in self._entries.values()]
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore metadata; the entries too when the state dict has them, else the buffer is empty
+        (it refills from the next rollouts). Entries keep their insertion order and versions."""
+        budget = sd["budget_bytes"]
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            raise ValueError(f"FeatureBuffer budget_bytes must be a positive integer, got {budget!r}")
+        self.budget_bytes = budget
+        self.seed = int(sd["seed"])
+        self._gen = torch.Generator().manual_seed(self.seed)
+        if "rng" in sd:
+            self._gen.set_state(sd["rng"])
+        self.clear()
+        for e in sd.get("entries", []):
+            self.add(e, e["policy_version"], e.get("weight_per_pos"))
+        self.counters = dict(sd["counters"])  # after the re-adds, which would count again

@@ -1,0 +1,300 @@
+"""Adaptive speculation: per engine step, speculate or not, and how far, from measured numbers.
+
+Why measured: the textbook speedup (1 - a^(g+1)) / ((1 - a)(g c + 1)) assumes verifying g+1
+tokens costs one target step. For an MoE target it costs 1.5x to 3x more, depending on the batch
+size (DESIGN.md section 4), so the only safe yardstick is the wall time of the engine's own
+steps. Per batch bucket (n_active rounded up) the controller keeps EMAs of seconds per plain
+step, seconds per speculative step and tokens emitted per sequence per step (accept length) per
+gamma, plus one global per-token acceptance alpha. Throughput per sequence is 1 / t_plain for
+plain decoding and accept_len(g) / t_spec(g) for gamma g; it speculates only when the best gamma
+beats plain by `margin`, so below break-even (large batch, low acceptance) it decodes plainly.
+
+Alpha ties the arms together: accept_len(g) = E(alpha, g) * r_g, E(a, g) = (1 - a^(g+1)) /
+(1 - a). Alpha comes from accepted / drafted by inverting the chain model (so it does not depend
+on the gamma it was measured with) and is shared by every arm and bucket: when the policy drifts
+away from the draft, the collapse measured on the arm being played lowers every estimate at
+once, and speculation switches off instead of trying each stale gamma in turn. Its EMAs are
+weighted by drafted tokens: one sequence drafting one token is a coin flip, not a trend.
+r_g, measured / modelled accept length of arm g in the bucket, absorbs what the iid chain model
+gets wrong (acceptance falling with depth, tree budgets standing in for gammas, harder tail
+sequences). Its memory is 1/ema times alpha's and it is shrunk toward 1 while it rests on few
+drafted tokens: a greedy controller keeping each arm's short-memory mean abandons arms right
+after an unlucky dip and never looks back.
+
+Exploration is deterministic: until every arm of a bucket has `min_samples` (a spec arm also
+counts as known once alpha has them, e.g. after `reset_acceptance`), arms are tried in a fixed
+round-robin; afterwards every `explore_every`-th decision re-measures one non-chosen arm,
+rotating, so exploration costs at most 1 / explore_every of the steps.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import asdict, dataclass
+
+
+def expected_accept_length(alpha: float, gamma: float) -> float:
+    """Tokens emitted per verify step with per-token acceptance alpha and gamma drafts."""
+    if alpha >= 1.0 - 1e-12:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def alpha_from_ratio(ratio: float, depth: float) -> float:
+    """Per-token acceptance a such that a chain of `depth` drafts accepts `ratio` of them.
+
+    E[accepted] / depth = (E(a, depth) - 1) / depth is increasing in a: solve by bisection.
+    """
+    ratio = min(max(ratio, 0.0), 1.0)
+    if depth <= 1.0 or ratio in (0.0, 1.0):
+        return ratio
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if (expected_accept_length(mid, depth) - 1.0) / depth < ratio:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+@dataclass
+class ControllerConfig:
+    gammas: tuple = (1, 2, 3, 4, 6)  # candidate chain lengths (tree budgets in tree mode)
+    margin: float = 1.05  # speculate only if its estimated throughput >= margin * plain
+    ema: float = 0.2  # EMA weight of a new measurement (a running mean until 1/ema samples)
+    explore_every: int = 50  # re-measure one non-chosen arm every this many decisions (0: never)
+    min_samples: int = 3  # samples per arm before exploiting
+    batch_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)
+    alpha_tokens: int = 16  # drafted tokens one observation needs to move alpha by a full `ema`
+
+    def __post_init__(self) -> None:
+        self.gammas = tuple(int(g) for g in self.gammas)
+        self.batch_buckets = tuple(int(b) for b in self.batch_buckets)
+        if not self.gammas or min(self.gammas) < 1 or len(set(self.gammas)) != len(self.gammas):
+            raise ValueError(f"ControllerConfig.gammas must be distinct positive ints, got {self.gammas}")
+        if not self.margin >= 1.0:
+            raise ValueError(f"ControllerConfig.margin must be >= 1.0, got {self.margin}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"ControllerConfig.ema must be in (0, 1], got {self.ema}")
+        if self.explore_every < 0 or self.min_samples < 1 or self.alpha_tokens < 1:
+            raise ValueError(f"ControllerConfig needs explore_every >= 0, min_samples >= 1, alpha_tokens >= 1, got "
+                             f"{self.explore_every}, {self.min_samples}, {self.alpha_tokens}")
+        b = self.batch_buckets
+        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"ControllerConfig.batch_buckets must be increasing positive ints, got {b}")
+
+
+class _Ema:
+    """EMA that starts as a (mass-weighted) running mean until the weight w takes over, so a
+    slow warm-up step is not sticky."""
+
+    __slots__ = ("value", "n", "mass")
+
+    def __init__(self, value: float = 0.0, n: int = 0, mass: float | None = None):
+        self.value, self.n = float(value), int(n)
+        self.mass = float(n if mass is None else mass)
+
+    def update(self, x: float, w: float, mass: float = 1.0) -> None:
+        self.n, self.mass = self.n + 1, self.mass + mass
+        self.value += max(w, mass / self.mass) * (float(x) - self.value)
+
+    def state(self) -> list:
+        return [self.value, self.n, self.mass]
+
+
+class _Alpha:
+    """Per-token acceptance from EMAs of accepted / drafted and of drafted per sequence,
+    inverted through the chain model when read (inverting each step first would be biased: the
+    inverse is far from linear when one sequence drafts a few tokens). An observation moves the
+    EMAs in proportion to its drafted tokens (up to `ema` from alpha_tokens on): one sequence
+    drafting one token is a coin flip, not a measurement to follow."""
+
+    def __init__(self, state=None):
+        state = state or [[0.0, 0, 0.0], [0.0, 0, 0.0]]
+        self.ratio, self.depth = _Ema(*state[0]), _Ema(*state[1])
+
+    @property
+    def n(self) -> int:
+        return self.ratio.n
+
+    @property
+    def value(self) -> float:
+        return alpha_from_ratio(self.ratio.value, self.depth.value) if self.n else 0.0
+
+    def update(self, accepted: float, drafted: float, n_active: int, ema: float, tokens: int) -> None:
+        w = ema * min(1.0, drafted / tokens)
+        self.ratio.update(accepted / drafted, w, drafted)
+        self.depth.update(drafted / n_active, w, drafted)
+
+    def state(self) -> list:
+        return [self.ratio.state(), self.depth.state()]
+
+
+_PER_ARM = ("spec", "acc", "fit", "model")
+
+
+class _Bucket:
+    def __init__(self, gammas):
+        self.plain = _Ema()  # seconds per plain step
+        self.spec = {g: _Ema() for g in gammas}  # seconds per speculative step
+        self.reset_acceptance(gammas)
+        self.decisions = self.rr = self.since = self.rotate = 0
+
+    def reset_acceptance(self, gammas) -> None:
+        self.acc = {g: _Ema() for g in gammas}  # measured tokens emitted per sequence per step
+        self.fit = {g: _Ema() for g in gammas}  # the same, slow and weighted by drafted tokens
+        self.model = {g: _Ema() for g in gammas}  # E(alpha, g) at the same samples, same weights
+
+    def state(self) -> dict:
+        per_arm = {k: {g: e.state() for g, e in getattr(self, k).items()} for k in _PER_ARM}
+        return {"plain": self.plain.state(), "counters": [self.decisions, self.rr, self.since, self.rotate], **per_arm}
+
+    def load(self, s: dict) -> None:
+        self.plain = _Ema(*s["plain"])
+        for k in _PER_ARM:
+            setattr(self, k, {int(g): _Ema(*v) for g, v in s[k].items()})
+        self.decisions, self.rr, self.since, self.rotate = (int(x) for x in s["counters"])
+
+
+class SpeculationController:
+    """Chooses per engine step: 0 (plain decoding) or the gamma to speculate with."""
+
+    def __init__(self, config: ControllerConfig | None = None):
+        self.config = config or ControllerConfig()
+        self.arms = (0,) + self.config.gammas
+        self.buckets = {b: _Bucket(self.config.gammas) for b in self.config.batch_buckets}
+        self.alpha = _Alpha()
+        self.decisions, self._step_gamma = 0, None  # the gamma decided for the current engine step
+
+    # -- engine hooks ----------------------------------------------------------------------
+    def bucket_of(self, n_active: int) -> int:
+        if n_active < 1:
+            raise ValueError(f"n_active must be >= 1, got {n_active}")
+        b = self.config.batch_buckets
+        return b[min(bisect.bisect_left(b, n_active), len(b) - 1)]
+
+    def should_speculate(self, n_active: int) -> bool:
+        """decide(n_active) > 0; the gamma is kept for the following gamma_for_step()."""
+        self._step_gamma = self.decide(n_active)
+        return self._step_gamma > 0
+
+    def gamma_for_step(self) -> int:
+        if self._step_gamma is None:
+            raise RuntimeError("gamma_for_step() called before should_speculate()")
+        return self._step_gamma
+
+    def decide(self, n_active: int) -> int:
+        b = self.buckets[self.bucket_of(n_active)]
+        b.decisions += 1
+        self.decisions += 1
+        arms = self.arms
+        for k in range(len(arms)):  # a fixed round-robin over the arms still unknown
+            i = (b.rr + k) % len(arms)
+            if not self._known(b, arms[i]):
+                b.rr = i + 1
+                return arms[i]
+        best = self._best(b)
+        b.since += 1
+        if self.config.explore_every and b.since >= self.config.explore_every:
+            b.since, b.rotate = 0, b.rotate + 1
+            others = [a for a in arms if a != best]
+            return others[(b.rotate - 1) % len(others)]
+        return best
+
+    def observe_plain(self, n_active: int, seconds: float) -> None:
+        self.buckets[self.bucket_of(n_active)].plain.update(seconds, self.config.ema)
+
+    def observe_spec(self, n_active: int, gamma: int, seconds: float, tokens_emitted_per_seq: float,
+                     accepted: int, drafted: int) -> None:
+        """One speculative step over n_active sequences: its wall time, the mean tokens it
+        emitted per sequence (bonus token included), and the accepted / drafted token counts."""
+        if gamma not in self.config.gammas:
+            raise ValueError(f"gamma {gamma} is not one of the controller's gammas {self.config.gammas}")
+        cfg = self.config
+        b = self.buckets[self.bucket_of(n_active)]
+        b.spec[gamma].update(seconds, cfg.ema)
+        if drafted <= 0:
+            return
+        b.acc[gamma].update(tokens_emitted_per_seq, cfg.ema)
+        self.alpha.update(accepted, drafted, n_active, cfg.ema, cfg.alpha_tokens)
+        w = cfg.ema * cfg.ema * min(1.0, drafted / cfg.alpha_tokens)  # 1/ema times alpha's memory
+        b.fit[gamma].update(tokens_emitted_per_seq, w, drafted)
+        b.model[gamma].update(expected_accept_length(self.alpha.value, gamma), w, drafted)
+
+    def reset_acceptance(self) -> None:
+        """Forget acceptance (after a draft hot swap or a big policy change); costs are kept.
+        Spec arms count as unknown again until re-measured, so each bucket re-explores briefly."""
+        self.alpha = _Alpha()
+        for b in self.buckets.values():
+            b.reset_acceptance(self.config.gammas)
+
+    # -- estimates -------------------------------------------------------------------------
+    def _known(self, b: _Bucket, arm: int) -> bool:
+        m = self.config.min_samples
+        if arm == 0:
+            return b.plain.n >= m
+        return b.spec[arm].n >= m and (b.acc[arm].n >= m or self.alpha.n >= m)
+
+    def _accept_len(self, b: _Bucket, g: int) -> float | None:
+        """E(alpha_now, g) times this arm's measured / modelled ratio (slow memory), shrunk
+        toward 1 until it rests on min_samples * alpha_tokens drafted tokens. Without any alpha
+        yet: the measured EMA, or None."""
+        fit, alpha = b.fit[g], self.alpha
+        if not alpha.n:
+            return b.acc[g].value if b.acc[g].n else None
+        ratio = fit.value / max(b.model[g].value, 1e-12) if fit.n else 1.0
+        prior = self.config.min_samples * self.config.alpha_tokens
+        return (fit.mass * ratio + prior) / (fit.mass + prior) * expected_accept_length(alpha.value, g)
+
+    def _rates(self, b: _Bucket) -> tuple[float | None, dict]:
+        """Per-sequence tokens per second of plain decoding and of each measured gamma."""
+        plain = 1.0 / max(b.plain.value, 1e-12) if b.plain.n else None
+        acc = {g: self._accept_len(b, g) for g in self.config.gammas if b.spec[g].n}
+        return plain, {g: a / max(b.spec[g].value, 1e-12) for g, a in acc.items() if a is not None}
+
+    def _best(self, b: _Bucket) -> int:
+        plain, spec = self._rates(b)
+        if not spec:
+            return 0
+        g = max(spec, key=lambda k: (spec[k], -k))  # ties: the shorter chain
+        return g if plain is None or spec[g] >= self.config.margin * plain else 0
+
+    def summary(self) -> dict:
+        """Per touched bucket: chosen gamma (None while exploring), measured costs, accept
+        lengths, t_spec / t_plain (= verify_cost + g c, measured) and estimated speedups."""
+        out = {"alpha": self.alpha.value if self.alpha.n else None, "decisions": self.decisions, "buckets": {}}
+        for key, b in self.buckets.items():
+            if not (b.decisions or b.plain.n or any(e.n for e in b.spec.values())):
+                continue
+            plain, spec = self._rates(b)
+            exploring = not all(self._known(b, a) for a in self.arms)
+            chosen = None if exploring else self._best(b)
+            speedup = {g: r / plain for g, r in spec.items()} if plain else {}
+            out["buckets"][key] = {
+                "gamma": chosen, "exploring": exploring, "decisions": b.decisions,
+                "t_plain_s": b.plain.value if b.plain.n else None,
+                "t_spec_s": {g: e.value for g, e in b.spec.items() if e.n},
+                "accept_len": {g: self._accept_len(b, g) for g in spec},
+                "accept_len_measured": {g: e.value for g, e in b.acc.items() if e.n},
+                "spec_cost_ratio": {g: e.value / max(b.plain.value, 1e-12)
+                                    for g, e in b.spec.items() if e.n and b.plain.n},
+                "speedup": speedup,
+                "est_speedup": None if chosen is None else (speedup[chosen] if chosen else 1.0),
+            }
+        return out
+
+    # -- checkpointing ---------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"config": asdict(self.config), "alpha": self.alpha.state(),
+                "decisions": self.decisions, "buckets": {k: b.state() for k, b in self.buckets.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        cfg = state["config"]
+        if (tuple(cfg["gammas"]) != self.config.gammas
+                or tuple(cfg["batch_buckets"]) != self.config.batch_buckets):
+            raise ValueError("controller state has other gammas or batch buckets than this config")
+        self.alpha = _Alpha(state["alpha"])
+        self.decisions = int(state["decisions"])
+        for k, s in state["buckets"].items():
+            self.buckets[int(k)].load(s)
+        self._step_gamma = None

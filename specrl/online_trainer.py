@@ -1,0 +1,187 @@
+"""Online EAGLE-3 draft training while GRPO changes the policy.
+
+Why: a draft trained once goes stale as RL moves the policy (DESIGN.md section 1b). This trainer
+takes short, budgeted bursts of TTT steps (`draft_models.ttt.ttt_loss`, the same loss as offline
+training) on records from a `specrl.buffer.FeatureBuffer`, in the device's idle windows, and
+hands fresh weights to the engine's draft copy (`export_weights`, SGLang parameter names).
+
+Isolation rules, each one checked by tests/test_online_trainer.py:
+- Gradients never reach the policy. The draft reads the target's token embedding by reference
+  and detached (EAGLE-3: the draft shares the target's frozen embedding), and the stored
+  features are detached tensors; the optimizer holds only the draft's own parameters, and the
+  constructor refuses a draft whose parameters include the embedding weight.
+- A policy sync never writes into the draft: the embedding is the only tensor the two share,
+  by design, so loading new policy weights changes what the draft *reads* (the current
+  embedding) and none of the draft's own parameters.
+- A failed step costs nothing: a non-finite loss or gradient norm (e.g. NaN features) skips the
+  update, leaves weights and optimizer state untouched and raises nothing; DESIGN.md asks that
+  the RL run goes on whatever the draft side does.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from draft_models.checkpoint import draft_state_dict_for_sglang
+from draft_models.train import collate
+from draft_models.ttt import ttt_loss
+
+
+@dataclass
+class OnlineDraftConfig:
+    lr: float = 1e-3
+    batch_size: int = 16
+    ttt_steps: int | None = None  # None: the draft config's ttt_steps
+    acceptance_weight: float = 0.0  # > 0 adds ttt_loss's expected-acceptance term
+    max_grad_norm: float = 1.0
+    prefer_rejected: float = 0.5  # sampling mix, see FeatureBuffer.sample
+    weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"OnlineDraftConfig.{name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("lr", "max_grad_norm"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                bad(name, "must be a positive finite number")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size <= 0:
+            bad("batch_size", "must be a positive integer")
+        if self.ttt_steps is not None and (isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int)
+                                           or self.ttt_steps <= 0):
+            bad("ttt_steps", "must be None or a positive integer")
+        for name in ("acceptance_weight", "weight_decay"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                bad(name, "must be a non-negative finite number")
+        if not isinstance(self.prefer_rejected, (int, float)) or not 0.0 <= self.prefer_rejected <= 1.0:
+            bad("prefer_rejected", "must lie in [0, 1]")
+
+
+class OnlineDraftTrainer:
+    """Owns the draft being trained and its AdamW; `version` counts successful updates."""
+
+    def __init__(self, draft, config: OnlineDraftConfig | None = None):
+        self.draft = draft
+        self.config = config if config is not None else OnlineDraftConfig()
+        emb = draft.embed_tokens.weight
+        params = [p for p in draft.parameters() if p.requires_grad]
+        if any(p is emb for p in draft.parameters()):
+            raise ValueError("the draft's parameters include the target embedding; it must be held by "
+                             "reference and never optimised")
+        if not params:
+            raise ValueError("the draft has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, betas=(0.9, 0.95),
+                                           weight_decay=self.config.weight_decay)
+        self._params = params
+        self.version = 0
+        self.counters = {"steps": 0, "updates": 0, "skipped_nonfinite": 0, "skipped_empty": 0}
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, buffer, generator: torch.Generator | None, *, min_version: int | None = None) -> dict:
+        """One AdamW step on a batch sampled from `buffer`.
+
+        Soft targets when every sampled record has target_logp, else hard labels for the whole
+        batch (collate needs one kind). Metrics: draft_loss, grad_norm, acc_k / ce_k / accept_k /
+        n_k from ttt_loss, seconds, version, soft_targets, skipped_nonfinite, skipped_empty,
+        staleness (newest minus oldest policy version in the batch)."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.counters["steps"] += 1
+        records = buffer.sample(cfg.batch_size, generator, prefer_rejected=cfg.prefer_rejected,
+                                min_version=min_version)
+        if not records:
+            self.counters["skipped_empty"] += 1
+            return {"draft_loss": float("nan"), "skipped_empty": True, "skipped_nonfinite": False,
+                    "version": self.version, "seconds": time.perf_counter() - t0}
+        soft = all(r.get("target_logp") is not None for r in records)
+        if not soft:
+            records = [{**r, "target_logp": None} for r in records]
+        device, dtype = self.draft.fc.weight.device, self.draft.fc.weight.dtype
+        batch = collate(records, device, dtype)
+        was_training = self.draft.training
+        self.draft.train()
+        try:
+            with torch.enable_grad():
+                loss, metrics = ttt_loss(self.draft, batch["features"], batch["input_ids"], batch["target_logp"],
+                                         batch["loss_mask"], steps=cfg.ttt_steps,
+                                         acceptance_weight=cfg.acceptance_weight)
+                self.optimizer.zero_grad(set_to_none=True)
+                ok = math.isfinite(metrics["loss"])
+                gnorm = float("nan")
+                if ok:
+                    loss.backward()
+                    gnorm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.max_grad_norm))
+                    ok = math.isfinite(gnorm)
+                if ok:
+                    self.optimizer.step()
+                    self.version += 1
+                    self.counters["updates"] += 1
+                else:
+                    self.counters["skipped_nonfinite"] += 1
+                self.optimizer.zero_grad(set_to_none=True)
+        finally:
+            self.draft.train(was_training)
+        versions = [int(r["policy_version"]) for r in records if "policy_version" in r]
+        draft_loss = metrics.pop("loss")
+        metrics.update(draft_loss=draft_loss, grad_norm=gnorm, soft_targets=soft, skipped_nonfinite=not ok,
+                       skipped_empty=False, version=self.version, batch_size=len(records),
+                       staleness=(max(versions) - min(versions)) if versions else 0,
+                       seconds=time.perf_counter() - t0)
+        return metrics
+
+    # ------------------------------------------------------------------ budgeted bursts
+    def train_for(self, buffer, max_steps: int, time_budget_s: float, generator: torch.Generator | None, *,
+                  min_version: int | None = None) -> dict:
+        """Run steps until max_steps or the time budget. A step is not started when the mean step
+        time so far says it would overrun the budget (the RL step must not wait on the draft);
+        the first step runs whenever the budget is positive. An empty buffer ends the burst.
+        Returns steps, updates, skipped_nonfinite, seconds, mean_loss (over finite losses),
+        version, and `last` (the last step's metrics)."""
+        if max_steps < 0 or not time_budget_s == time_budget_s:
+            raise ValueError(f"train_for needs max_steps >= 0 and a time budget, got {max_steps}, {time_budget_s}")
+        t0 = time.perf_counter()
+        steps = updates = skipped = 0
+        losses: list[float] = []
+        last: dict = {}
+        while steps < max_steps and time_budget_s > 0:
+            elapsed = time.perf_counter() - t0
+            if steps and elapsed + elapsed / steps > time_budget_s:
+                break
+            last = self.train_step(buffer, generator, min_version=min_version)
+            if last.get("skipped_empty"):
+                break
+            steps += 1
+            if last["skipped_nonfinite"]:
+                skipped += 1
+            else:
+                updates += 1
+                losses.append(last["draft_loss"])
+        return {"steps": steps, "updates": updates, "skipped_nonfinite": skipped,
+                "seconds": time.perf_counter() - t0,
+                "mean_loss": sum(losses) / len(losses) if losses else float("nan"),
+                "version": self.version, "last": last}
+
+    # ------------------------------------------------------------------ weights out, checkpoints
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """A detached CPU copy of the draft in SGLang names (no embedding), safe to hand to an
+        engine's draft copy while training continues on this one."""
+        return {k: v.to("cpu", copy=True) for k, v in draft_state_dict_for_sglang(self.draft).items()}
+
+    def state_dict(self) -> dict:
+        """A snapshot (copies, not views): torch's optimizer.state_dict() returns the live moment
+        tensors, and an optimizer loaded from it would share and double-update them."""
+        return {"draft": {k: v.detach().clone() for k, v in self.draft.state_dict().items()},
+                "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": self.version,
+                "counters": dict(self.counters), "config": dataclasses.asdict(self.config)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.draft.load_state_dict(sd["draft"])
+        self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
+        self.version = int(sd["version"])
+        self.counters = dict(sd.get("counters", self.counters))

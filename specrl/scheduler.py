@@ -1,0 +1,176 @@
+"""Draft training in the idle windows of the shared device, within a time and memory budget.
+
+The draft trainer shares one device with the rollout engine and the policy trainer (DESIGN.md
+section 1, "Device sharing"). Its work must never delay an RL step by more than its budget, so
+the scheduler hands out time, not steps:
+
+- Budget per RL step = budget_fraction * (EMA of the RL step's wall time without draft work),
+  clamped to [min_budget_s, max_budget_s]. The EMA subtracts the draft time it granted, so the
+  budget is a fraction of the RL work itself and does not feed on its own overhead. Before the
+  first step is measured, the base is the RL time elapsed so far in the current step, a lower
+  bound on that step, so the budget can only err short.
+- Windows: "tail" - the rollout's long tail, when at most tail_threshold of the engine's slots
+  are still decoding and the device is mostly idle (the engine asks once per engine step);
+  "between" - after the rollout, before the policy update; "interleaved" - inside the policy
+  update, between its micro-steps. Only the windows in `windows` ever run.
+- A unit of work is started only while budget remains and is told the seconds left; a unit that
+  runs past them is the only possible overrun, and it is reported as `sched/overrun_s`.
+- Time spent is the larger of what the work reports and what the clock saw, so an asynchronous
+  device (work queued, not finished) or a clock that misses device time cannot hide it.
+
+Errors: with `on_error` set, an exception in a unit of work is counted, its time accounted, and
+passed to on_error (which typically turns speculation off until the draft recovers); the RL
+step goes on. Without it the exception propagates.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+WINDOWS = ("tail", "between", "interleaved")
+
+
+@dataclass
+class SchedulerConfig:
+    budget_fraction: float = 0.05  # draft time per RL step, as a fraction of the RL step's own time
+    min_budget_s: float = 0.0
+    max_budget_s: float | None = None
+    tail_threshold: float = 0.25  # tail: n_active / n_slots at most this
+    memory_budget_bytes: int | None = 2**28  # None: no limit
+    windows: tuple = ("tail", "between")  # enabled windows, a subset of WINDOWS
+    ema: float = 0.3  # weight of the newest RL step in the step-time EMA
+
+    def __post_init__(self) -> None:
+        if isinstance(self.windows, str):
+            raise ValueError(f"SchedulerConfig.windows must be a tuple of names, got the string {self.windows!r}")
+        self.windows = tuple(self.windows)
+        bad = [w for w in self.windows if w not in WINDOWS]
+        checks = [
+            (0.0 <= self.budget_fraction <= 1.0, f"budget_fraction must be in [0, 1], got {self.budget_fraction}"),
+            (self.min_budget_s >= 0.0, f"min_budget_s must be >= 0, got {self.min_budget_s}"),
+            (self.max_budget_s is None or self.max_budget_s >= self.min_budget_s,
+             f"max_budget_s must be None or >= min_budget_s, got {self.max_budget_s} < {self.min_budget_s}"),
+            (0.0 < self.tail_threshold <= 1.0, f"tail_threshold must be in (0, 1], got {self.tail_threshold}"),
+            (self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+             f"memory_budget_bytes must be None or positive, got {self.memory_budget_bytes}"),
+            (not bad, f"windows must be among {WINDOWS}, got {bad}"),
+            (0.0 < self.ema <= 1.0, f"ema must be in (0, 1], got {self.ema}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SchedulerConfig.{msg}")
+
+
+class DraftScheduler:
+    """Grants draft-training time in idle windows; one begin_step() / end_step() per RL step."""
+
+    def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter,
+                 on_error: Callable[[BaseException], None] | None = None):
+        self.config = config or SchedulerConfig()
+        self.clock, self.on_error = clock, on_error
+        self.step_ema_s: float | None = None  # EMA of RL step wall time without draft work
+        self.steps = self.errors = 0
+        self.last_error: BaseException | None = None
+        self._t0: float | None = None
+        self._spent = dict.fromkeys(WINDOWS, 0.0)
+
+    # -- per RL step -------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self._t0 = self.clock()
+        self._spent = dict.fromkeys(WINDOWS, 0.0)
+
+    @property
+    def spent_s(self) -> float:
+        return sum(self._spent.values())
+
+    @property
+    def budget_s(self) -> float:
+        """This step's draft budget in seconds."""
+        if self.step_ema_s is not None:
+            base = self.step_ema_s
+        else:  # nothing measured yet: the RL time of this step so far
+            base = 0.0 if self._t0 is None else max(0.0, self.clock() - self._t0 - self.spent_s)
+        return self._clamp(self.config.budget_fraction * base)
+
+    @property
+    def remaining_s(self) -> float:
+        return max(0.0, self.budget_s - self.spent_s)
+
+    def is_tail(self, n_active: int, n_slots: int) -> bool:
+        return n_slots > 0 and 0 < n_active <= self.config.tail_threshold * n_slots
+
+    def on_engine_step(self, n_active: int, n_slots: int, work: Callable[[float], float] | None = None) -> bool:
+        """True when the rollout is in its long tail, the tail window is enabled and budget
+        remains: the caller then runs one draft update (or passes it as `work`, run here)."""
+        self._ensure_step()
+        ok = self.is_tail(n_active, n_slots) and "tail" in self.config.windows and self.remaining_s > 0
+        if ok and work is not None:
+            self.run_window("tail", work)
+        return ok
+
+    def run_window(self, name: str, work: Callable[[float], float | None]) -> float:
+        """Run one unit of `work(remaining_seconds)` in window `name` if that window is enabled
+        and budget remains; returns the seconds accounted to it (0.0 when it did not run)."""
+        if name not in WINDOWS:
+            raise ValueError(f"unknown window {name!r}; windows are {WINDOWS}")
+        self._ensure_step()
+        remaining = self.remaining_s
+        if name not in self.config.windows or remaining <= 0:
+            return 0.0
+        t0 = self.clock()
+        try:
+            reported = work(remaining)
+        except Exception as exc:
+            spent = max(0.0, self.clock() - t0)
+            self._spent[name] += spent
+            if self.on_error is None:
+                raise
+            self.errors, self.last_error = self.errors + 1, exc
+            self.on_error(exc)
+            return spent
+        spent = max(self.clock() - t0, float(reported or 0.0), 0.0)
+        self._spent[name] += spent
+        return spent
+
+    def end_step(self, step_wall_s: float | None = None) -> dict:
+        """Close the RL step (wall time measured by the caller, or by the clock since
+        begin_step) and report where the draft time went."""
+        self._ensure_step()
+        if step_wall_s is None:
+            step_wall_s = self.clock() - self._t0
+        draft = self.spent_s
+        rl = max(0.0, float(step_wall_s) - draft)
+        base = self.step_ema_s if self.step_ema_s is not None else rl
+        budget = self._clamp(self.config.budget_fraction * base)
+        self.step_ema_s = rl if self.step_ema_s is None else self.step_ema_s + self.config.ema * (rl - self.step_ema_s)
+        self.steps += 1
+        self._t0 = None
+        report = {"perf/draft_train_s": draft}
+        report.update({f"perf/draft_train_{w}_s": self._spent[w] for w in WINDOWS})
+        report.update({"sched/budget_s": budget, "sched/overrun_s": max(0.0, draft - budget),
+                       "sched/rl_step_s": rl, "sched/rl_step_ema_s": self.step_ema_s})
+        return report
+
+    # -- memory ------------------------------------------------------------------------------
+    def memory_ok(self, bytes_in_use: int) -> bool:
+        """Whether the draft side's memory (buffer, optimizer, activations) fits its budget."""
+        limit = self.config.memory_budget_bytes
+        return limit is None or bytes_in_use <= limit
+
+    # -- checkpointing -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"step_ema_s": self.step_ema_s, "steps": self.steps, "errors": self.errors}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_ema_s, self.steps, self.errors = state["step_ema_s"], int(state["steps"]), int(state["errors"])
+
+    # -- internals ---------------------------------------------------------------------------
+    def _ensure_step(self) -> None:
+        if self._t0 is None:  # a caller that skipped begin_step: the step starts now
+            self.begin_step()
+
+    def _clamp(self, budget: float) -> float:
+        c = self.config
+        budget = max(c.min_budget_s, budget)
+        return budget if c.max_budget_s is None else min(c.max_budget_s, budget)

@@ -1,0 +1,193 @@
+"""SpeculationController on synthetic cost models: no models, no real clock."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from specrl.controller import (ControllerConfig, SpeculationController, alpha_from_ratio,
+                               expected_accept_length)
+
+
+def t_plain(n):
+    return 0.010 * (1 + 0.02 * n)
+
+
+def moe_spec_cost(n, g, c=0.05):
+    """MoE-like: verifying g+1 tokens wakes more experts as the batch grows."""
+    return t_plain(n) * (1 + 0.05 * (g + 1) * n / 4 + c * g)
+
+
+def cheap_spec_cost(n, g, c=0.02):
+    return t_plain(n) * (1 + 0.02 * g + c * g)
+
+
+def true_speedup(n, g, alpha, spec_cost):
+    return 1.0 if g == 0 else expected_accept_length(alpha, g) * t_plain(n) / spec_cost(n, g)
+
+
+def step(ctrl, n, spec_cost, alpha, rng, noise=0.03):
+    """One engine step: ask the controller, 'run' it, report the synthetic measurement."""
+    g = ctrl.decide(n)
+    jitter = 1 + rng.uniform(-noise, noise) if rng else 1.0
+    if g == 0:
+        ctrl.observe_plain(n, t_plain(n) * jitter)
+        return g
+    if rng is None:  # exact expectations, no sampling noise
+        acc = expected_accept_length(alpha, g)
+        ctrl.observe_spec(n, g, spec_cost(n, g), acc, (acc - 1) * n, g * n)
+        return g
+    accepted = 0
+    for _ in range(n):
+        k = 0
+        while k < g and rng.random() < alpha:
+            k += 1
+        accepted += k
+    ctrl.observe_spec(n, g, spec_cost(n, g) * jitter, (accepted + n) / n, accepted, g * n)
+    return g
+
+
+def run(ctrl, n, steps, spec_cost, alpha, rng):
+    return [step(ctrl, n, spec_cost, alpha, rng) for _ in range(steps)]
+
+
+def test_config_validation():
+    for bad in (dict(gammas=()), dict(gammas=(0, 2)), dict(gammas=(2, 2)), dict(margin=0.9), dict(ema=0.0),
+                dict(ema=1.5), dict(min_samples=0), dict(explore_every=-1), dict(batch_buckets=(4, 2)),
+                dict(batch_buckets=())):
+        with pytest.raises(ValueError):
+            ControllerConfig(**bad)
+
+
+def test_alpha_inversion_and_buckets():
+    for a in (0.05, 0.3, 0.6, 0.9):
+        for d in (1, 3, 6):
+            assert alpha_from_ratio((expected_accept_length(a, d) - 1) / d, d) == pytest.approx(a, abs=1e-6)
+    ctrl = SpeculationController()
+    assert [ctrl.bucket_of(n) for n in (1, 2, 3, 5, 9, 64, 500)] == [1, 2, 4, 8, 16, 64, 64]
+    with pytest.raises(ValueError):
+        ctrl.bucket_of(0)
+    with pytest.raises(ValueError):
+        ctrl.observe_spec(1, 5, 0.1, 2.0, 1, 5)
+
+
+def test_initial_round_robin_is_fixed():
+    ctrl = SpeculationController(ControllerConfig(min_samples=2))
+    choices = run(ctrl, 4, 12, moe_spec_cost, 0.6, None)
+    assert choices == [0, 1, 2, 3, 4, 6] * 2
+    assert ctrl.summary()["buckets"][4]["exploring"] is False
+
+
+def test_moe_plain_at_large_batch_spec_at_small():
+    ctrl = SpeculationController()
+    rng = random.Random(0)
+    for n in (1, 2, 4, 8, 16, 32, 64):
+        run(ctrl, n, 400, moe_spec_cost, 0.6, rng)
+    s = ctrl.summary()["buckets"]
+    assert s[32]["gamma"] == 0 and s[64]["gamma"] == 0
+    for n in (1, 2, 4):
+        g = s[n]["gamma"]
+        best = max(true_speedup(n, h, 0.6, moe_spec_cost) for h in ctrl.arms)
+        assert g > 0 and true_speedup(n, g, 0.6, moe_spec_cost) >= 0.93 * best, (n, g)
+        assert s[n]["spec_cost_ratio"][g] == pytest.approx(moe_spec_cost(n, g) / t_plain(n), rel=0.05)
+    # at the large batch, plain decoding ran almost every step after exploration
+    tail = run(ctrl, 64, 500, moe_spec_cost, 0.6, rng)
+    assert sum(g != 0 for g in tail) <= 500 * 2 / 50 + 2
+
+
+def test_high_acceptance_cheap_draft_picks_long_gamma():
+    ctrl = SpeculationController()
+    run(ctrl, 1, 300, cheap_spec_cost, 0.9, random.Random(1))
+    b = ctrl.summary()["buckets"][1]
+    assert b["gamma"] >= 4
+    assert b["est_speedup"] > 2.5
+
+
+def test_exploration_is_bounded():
+    cfg = ControllerConfig(explore_every=50)
+    for rng in (None, random.Random(2)):
+        ctrl = SpeculationController(cfg)
+        run(ctrl, 2, 200, cheap_spec_cost, 0.8, rng)
+        off = 0
+        for _ in range(1000):
+            best = ctrl.summary()["buckets"][2]["gamma"]
+            off += step(ctrl, 2, cheap_spec_cost, 0.8, rng) != best
+        assert off <= 1000 * 2 / cfg.explore_every + 3, off
+
+
+def realized_speedup(choices, n, alpha, spec_cost):
+    """Expected tokens over expected time of the chosen steps, relative to plain decoding."""
+    tokens = sum(1.0 if g == 0 else expected_accept_length(alpha, g) for g in choices)
+    seconds = sum(t_plain(n) if g == 0 else spec_cost(n, g) for g in choices)
+    return tokens / seconds * t_plain(n)
+
+
+def test_acceptance_collapse_switches_speculation_off():
+    ctrl = SpeculationController()
+    rng = random.Random(3)
+    run(ctrl, 4, 300, moe_spec_cost, 0.8, rng)
+    assert ctrl.summary()["buckets"][4]["gamma"] > 0
+    after = run(ctrl, 4, 400, moe_spec_cost, 0.1, rng)  # the policy moved away from the draft
+    assert 0 in after[:25], after[:25]
+    assert ctrl.summary()["buckets"][4]["gamma"] == 0
+    # what remains is exploration and break-even gamma=1 (true speedup 0.96): noise-level cost
+    assert realized_speedup(after[40:], 4, 0.1, moe_spec_cost) >= 0.98
+    assert realized_speedup(after, 4, 0.1, moe_spec_cost) >= 0.97
+
+
+def test_collapse_seen_in_one_bucket_reaches_the_others_via_alpha():
+    def batch1_after_collapse(collapse_first: bool):
+        ctrl = SpeculationController()
+        rng = random.Random(4)
+        run(ctrl, 1, 300, moe_spec_cost, 0.8, rng)
+        run(ctrl, 4, 300, moe_spec_cost, 0.8, rng)
+        if collapse_first:
+            run(ctrl, 4, 60, moe_spec_cost, 0.0, rng)
+        return run(ctrl, 1, 200, moe_spec_cost, 0.0, rng)
+
+    informed, blind = batch1_after_collapse(True), batch1_after_collapse(False)
+    # batch 1 never measured the collapse itself, yet starts from the lowered alpha
+    assert realized_speedup(informed[:30], 1, 0.0, moe_spec_cost) > realized_speedup(blind[:30], 1, 0.0, moe_spec_cost)
+    for choices in (informed, blind):
+        assert realized_speedup(choices[50:], 1, 0.0, moe_spec_cost) >= 0.98
+
+
+def test_reset_acceptance_reexplores_and_recovers():
+    ctrl = SpeculationController()
+    rng = random.Random(5)
+    run(ctrl, 2, 300, moe_spec_cost, 0.05, rng)  # poor draft: plain
+    assert ctrl.summary()["buckets"][2]["gamma"] == 0
+    ctrl.reset_acceptance()  # hot swap to a good draft
+    assert ctrl.summary()["alpha"] is None
+    first = run(ctrl, 2, 5, moe_spec_cost, 0.9, rng)
+    assert all(g > 0 for g in first)  # spec arms are unknown again; plain costs are kept
+    run(ctrl, 2, 100, moe_spec_cost, 0.9, rng)
+    assert ctrl.summary()["buckets"][2]["gamma"] > 0
+
+
+def test_should_speculate_caches_gamma():
+    ctrl = SpeculationController(ControllerConfig(min_samples=1))
+    with pytest.raises(RuntimeError):
+        ctrl.gamma_for_step()
+    assert ctrl.should_speculate(3) is False and ctrl.gamma_for_step() == 0  # round-robin starts with plain
+    ctrl.observe_plain(3, 0.01)
+    assert ctrl.should_speculate(3) is True and ctrl.gamma_for_step() == 1
+
+
+def test_deterministic_and_state_roundtrip():
+    def fed(seed, n_steps, ctrl=None):
+        ctrl = ctrl or SpeculationController()
+        rng = random.Random(seed)
+        return ctrl, [step(ctrl, n, moe_spec_cost, 0.7, rng) for n in (1, 3, 7, 20, 40) * n_steps]
+
+    a, ca = fed(6, 80)
+    b, cb = fed(6, 80)
+    assert ca == cb and a.state_dict() == b.state_dict()
+    c = SpeculationController()
+    c.load_state_dict(a.state_dict())
+    assert c.summary() == a.summary()
+    _, more_a = fed(7, 40, a)
+    _, more_c = fed(7, 40, c)
+    assert more_a == more_c
+    with pytest.raises(ValueError):
+        SpeculationController(ControllerConfig(gammas=(1, 2))).load_state_dict(a.state_dict())

@@ -1,0 +1,193 @@
+import math
+
+import pytest
+import torch
+
+from draft_models.checkpoint import draft_state_dict_for_sglang
+from draft_models.train import collate
+from draft_models.ttt import ttt_loss
+from specrl.buffer import FeatureBuffer
+from specrl.drafts import DraftTrainConfig, new_draft
+from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
+from target_training.config import model_config_for
+
+
+def _sequences(n=16, T=24, seed=0):
+    """Counting sequences (x_{t+1} = x_t + 1, wrapping in 3..63): easy for a draft to learn."""
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(3, 64, (n,), generator=g)
+    return [[3 + (int(s) - 3 + t) % 61 for t in range(T)] for s in starts]
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    policy = model_config_for("tiny", 64).build()
+    seqs = _sequences()
+    draft = new_draft(policy, seqs, DraftTrainConfig(draft_vocab_size=64, ttt_steps=2))
+    return policy, seqs, draft
+
+
+def _fill(buffer, policy, seqs, draft, soft: bool, version=0, grad=False):
+    """Features from the policy's own forward (as a GRPOTrainer log-prob hook would see them)."""
+    ids = torch.tensor(seqs)
+    mask = torch.zeros_like(ids, dtype=torch.bool)
+    mask[:, 4:] = True  # 4 prompt tokens, the rest is the response
+    layers = policy.cfg.feature_layer_ids
+    with torch.set_grad_enabled(grad):
+        out = policy(ids, tap_layers=layers)
+        buffer.add_from_trainer_forward(ids, out.features(layers), out.logits if soft else None, mask,
+                                        draft.d2t, version)
+    return buffer
+
+
+def _snapshot(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _eval_loss(draft, buffer, ttt_steps=2):
+    with torch.no_grad():
+        batch = collate(buffer.sample(len(buffer), torch.Generator().manual_seed(0)))
+        loss, _ = ttt_loss(draft, batch["features"], batch["input_ids"], None, batch["loss_mask"], steps=ttt_steps)
+        return loss.item()
+
+
+@pytest.mark.parametrize("kw", [dict(lr=0), dict(batch_size=0), dict(ttt_steps=0), dict(max_grad_norm=-1),
+                                dict(prefer_rejected=1.5), dict(acceptance_weight=-0.1), dict(weight_decay=-1),
+                                dict(lr=float("nan"))])
+def test_config_validation(kw):
+    with pytest.raises(ValueError):
+        OnlineDraftConfig(**kw)
+
+
+def test_loss_decreases_on_fixed_buffer(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig(lr=3e-3, batch_size=8, ttt_steps=2, prefer_rejected=0.0))
+    before = _eval_loss(draft, buf)
+    report = trainer.train_for(buf, max_steps=40, time_budget_s=60.0, generator=torch.Generator().manual_seed(0))
+    after = _eval_loss(draft, buf)
+    assert report["steps"] == 40 and report["updates"] == 40 and trainer.version == 40
+    assert after < 0.5 * before, (before, after)
+    m = trainer.train_step(buf, torch.Generator().manual_seed(1))
+    assert {"draft_loss", "acc_0", "seconds", "grad_norm"} <= m.keys() and m["soft_targets"] is False
+    assert m["acc_0"] > 0.5
+
+
+def test_soft_targets_step(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=True)
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=4))
+    m = trainer.train_step(buf, torch.Generator().manual_seed(0))
+    assert m["soft_targets"] is True and math.isfinite(m["draft_loss"]) and not m["skipped_nonfinite"]
+    buf.add({"input_ids": torch.tensor(seqs[0]), "features": buf.sample(1, None)[0]["features"],
+             "target_logp": None, "loss_mask": torch.ones(24, dtype=torch.bool)}, 1)
+    m = trainer.train_step(buf, torch.Generator().manual_seed(0), min_version=1)
+    assert m["soft_targets"] is False and trainer.version == 2
+
+
+def test_gradient_isolation(setup):
+    """Features taken from a grad-enabled policy forward; a draft step leaves the policy untouched."""
+    policy, seqs, draft = setup
+    policy.train()
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=True, grad=True)
+    policy_before = _snapshot(policy)
+    draft_before = _snapshot(draft)
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8))
+    for _ in range(2):
+        m = trainer.train_step(buf, torch.Generator().manual_seed(0))
+        assert not m["skipped_nonfinite"]
+    assert all(p.grad is None for p in policy.parameters())
+    assert _same(_snapshot(policy), policy_before)
+    assert not _same(_snapshot(draft), draft_before)  # the draft did learn
+    opt_params = {id(p) for g in trainer.optimizer.param_groups for p in g["params"]}
+    assert id(policy.embed_tokens.weight) not in opt_params
+    assert opt_params == {id(p) for p in draft.parameters()}
+
+
+def test_policy_sync_never_writes_into_draft(setup):
+    """Loading new policy weights changes none of the draft's own tensors. The token embedding is
+    shared by design (EAGLE-3 reads the target's frozen embedding): the draft sees the new one."""
+    policy, seqs, draft = setup
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig())
+    draft_before = _snapshot(draft)
+    exported = trainer.export_weights()
+    g = torch.Generator().manual_seed(5)
+    perturbed = {k: v + 0.1 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                 for k, v in policy.state_dict().items()}
+    policy.load_state_dict(perturbed)
+    assert _same(_snapshot(draft), draft_before)
+    assert _same(trainer.export_weights(), exported)
+    assert draft.embed_tokens is policy.embed_tokens
+    assert torch.equal(draft.embed_tokens.weight, perturbed["embed_tokens.weight"])
+
+
+def test_nan_features_skip_step(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    bad = FeatureBuffer(budget_bytes=10**7)
+    for r in buf.sample(4, torch.Generator().manual_seed(0)):
+        feats = r["features"].clone()
+        feats[3] = float("nan")
+        bad.add({**r, "features": feats}, 0)
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=4))
+    before = _snapshot(draft)
+    m = trainer.train_step(bad, torch.Generator().manual_seed(0))
+    assert m["skipped_nonfinite"] is True and trainer.version == 0
+    assert _same(_snapshot(draft), before)
+    assert not trainer.optimizer.state  # no moment was updated either
+    assert all(p.grad is None for p in draft.parameters())
+    report = trainer.train_for(bad, max_steps=3, time_budget_s=30.0, generator=None)
+    assert report["steps"] == 3 and report["skipped_nonfinite"] == 3 and report["updates"] == 0
+    assert math.isnan(report["mean_loss"])
+    assert not trainer.train_step(buf, torch.Generator().manual_seed(0))["skipped_nonfinite"]  # recovers
+
+
+def test_train_for_limits_and_empty_buffer(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=4, ttt_steps=1))
+    assert trainer.train_for(buf, max_steps=3, time_budget_s=60.0, generator=None)["steps"] == 3
+    assert trainer.train_for(buf, max_steps=100, time_budget_s=0.0, generator=None)["steps"] == 0
+    assert trainer.train_for(FeatureBuffer(10**6), max_steps=5, time_budget_s=60.0, generator=None)["steps"] == 0
+    m = trainer.train_step(FeatureBuffer(10**6), None)
+    assert m["skipped_empty"] and trainer.version == 3
+
+
+def test_export_weights_is_a_detached_cpu_copy(setup):
+    _, _, draft = setup
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig())
+    w = trainer.export_weights()
+    assert w.keys() == draft_state_dict_for_sglang(draft).keys()
+    assert "fc.weight" in w and "d2t" in w and not any("embed" in k for k in w)
+    assert all(t.device.type == "cpu" and not t.requires_grad for t in w.values())
+    with torch.no_grad():
+        draft.fc.weight.add_(1.0)
+    assert not torch.equal(w["fc.weight"], draft.fc.weight)
+
+
+def test_refuses_draft_that_owns_the_embedding(setup):
+    _, _, draft = setup
+    draft.register_parameter("leaked_embedding", draft.embed_tokens.weight)
+    with pytest.raises(ValueError):
+        OnlineDraftTrainer(draft, OnlineDraftConfig())
+
+
+def test_state_dict_round_trip(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    cfg = OnlineDraftConfig(batch_size=4, ttt_steps=2)
+    trainer = OnlineDraftTrainer(draft, cfg)
+    trainer.train_for(buf, max_steps=3, time_budget_s=60.0, generator=torch.Generator().manual_seed(0))
+    sd = trainer.state_dict()
+    torch.manual_seed(123)  # a differently initialised draft
+    other = OnlineDraftTrainer(new_draft(policy, seqs, DraftTrainConfig(draft_vocab_size=64, ttt_steps=2, seed=9)), cfg)
+    other.load_state_dict(sd)
+    assert other.version == 3 and _same(_snapshot(other.draft), _snapshot(draft))
+    trainer.train_step(buf, torch.Generator().manual_seed(7))
+    other.train_step(buf, torch.Generator().manual_seed(7))
+    assert _same(_snapshot(other.draft), _snapshot(draft))  # the optimizer moments came back too

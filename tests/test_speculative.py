@@ -1,0 +1,140 @@
+"""Losslessness of speculative decoding in the engine: exact for greedy and coupled sampling,
+statistical (with a power check) for rejection sampling, and log-probs equal to plain decoding."""
+import pytest
+import torch
+
+import rollout.acceptance as acceptance
+from draft_models.checkpoint import DraftCheckpointError
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+from rollout.speculative import SpecConfig, Speculator
+from specrl.train_rl import encode_prompts
+from stats_utils import chi2_pvalue
+
+SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4), "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=10)}
+
+
+def _prompts(tokenizer, task, n):
+    """Task prompts (high acceptance) mixed with random token strings (low acceptance)."""
+    real = encode_prompts(tokenizer, task.examples("heldout", n - n // 5, 3))
+    g = torch.Generator().manual_seed(0)
+    noise = [[tokenizer.bos_id] + torch.randint(3, tokenizer.vocab_size, (int(k),), generator=g).tolist()
+             for k in torch.randint(1, 12, (n // 5,), generator=g)]
+    return real + noise
+
+
+def _engine(policy, batch, draft=None, mode="chain", sampling="coupled"):
+    spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
+    return EmbeddedEngine(policy, EngineConfig(max_batch=batch, sampling_mode=sampling), speculator=spec)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("batch", [1, 16])
+def test_greedy_identical_on_500_prompts(sft_policy, offline_draft, mode, batch):
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 500)
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,))
+    plain = _engine(policy, 64).generate(prompts, params)
+    spec = _engine(policy, batch, offline_draft, mode).generate(prompts, params)
+    assert [t.token_ids for t in spec] == [t.token_ids for t in plain]
+    assert [t.finish_reason for t in spec] == [t.finish_reason for t in plain]
+    diff = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(spec, plain))
+    assert diff <= 1e-5
+    accepted = sum(t.spec.accepted for t in spec)
+    verify = sum(t.spec.verify_steps for t in spec)
+    assert accepted / verify > 1.0  # the draft really is accepted: the test exercises long paths
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_coupled_sampling_identical_to_plain(sft_policy, offline_draft, mode):
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 120)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=11)
+    plain = _engine(policy, 16).generate(prompts, params, capture_features=True)
+    spec = _engine(policy, 8, offline_draft, mode).generate(prompts, params, capture_features=True)
+    assert [t.token_ids for t in spec] == [t.token_ids for t in plain]
+    for a, b in zip(spec, plain):
+        assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
+        assert a.features.shape == b.features.shape
+        assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
+    assert sum(t.spec.accepted for t in spec) > 0
+
+
+def _first_two_counts(policy, draft, mode, prompt, n, vocab, temperature):
+    engine = _engine(policy, 64, draft, mode, sampling="rng")
+    params = SamplingParams(temperature=temperature, max_new_tokens=2, seed=5)
+    trajs = engine.generate([prompt] * n, params)
+    counts = torch.zeros(vocab, vocab)
+    for t in trajs:
+        counts[t.token_ids[0], t.token_ids[1]] += 1
+    return counts, trajs
+
+
+def _exact_first_two(policy, prompt, temperature):
+    with torch.no_grad():
+        V = policy.cfg.vocab_size
+        p1 = (policy(torch.tensor([prompt])).logits[0, -1] / temperature).softmax(-1)  # (V,)
+        seqs = torch.tensor([prompt + [a] for a in range(V)])
+        p2 = (policy(seqs).logits[:, -1] / temperature).softmax(-1)  # (V, V)
+    return p1[:, None] * p2
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_rejection_sampling_matches_target_distribution(sft_policy, offline_draft, mode):
+    """Chi-square of the first two tokens against the exact target law; threshold p > 1e-3."""
+    tokenizer, task, policy, _ = sft_policy
+    prompt = encode_prompts(tokenizer, task.examples("heldout", 1, 9))[0]
+    counts, trajs = _first_two_counts(policy, offline_draft, mode, prompt, 4000, tokenizer.vocab_size, 1.5)
+    assert sum(t.spec.accepted for t in trajs) > 500  # the draft's proposals are accepted often
+    stat, df, pval = chi2_pvalue(counts, _exact_first_two(policy, prompt, 1.5))
+    assert pval > 1e-3, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+
+
+def test_rejection_check_has_power(sft_policy, offline_draft, monkeypatch):
+    """The same check fails when the acceptance rule is broken (always accept the draft)."""
+    tokenizer, task, policy, _ = sft_policy
+    prompt = encode_prompts(tokenizer, task.examples("heldout", 1, 9))[0]
+    monkeypatch.setattr(acceptance, "accept_test", lambda px, qx, u: torch.ones_like(px, dtype=torch.bool))
+    counts, _ = _first_two_counts(policy, offline_draft, "chain", prompt, 4000, tokenizer.vocab_size, 1.5)
+    _, _, pval = chi2_pvalue(counts, _exact_first_two(policy, prompt, 1.5))
+    assert pval < 1e-3
+
+
+def test_mismatched_draft_is_rejected(sft_policy, offline_draft):
+    from target_training.config import model_config_for
+
+    _, _, policy, _ = sft_policy
+    other = model_config_for("quick", policy.cfg.vocab_size).build()
+    with pytest.raises(DraftCheckpointError, match="hidden_size"):
+        EmbeddedEngine(other, speculator=Speculator(offline_draft))
+
+
+def test_speculation_flag_off_is_plain(sft_policy, offline_draft):
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 20)
+    params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,))
+    spec = Speculator(offline_draft)
+    spec.enabled = False
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=8), speculator=spec)
+    trajs = engine.generate(prompts, params)
+    assert all(t.spec.verify_steps == 0 for t in trajs)
+    assert [t.token_ids for t in trajs] == [t.token_ids for t in _engine(policy, 8).generate(prompts, params)]
+
+
+def test_tree_explores_siblings(tiny_model):
+    """With a weak (random) draft, a tree that verifies several children per node accepts far
+    more than a chain that only tries the draft's top-1, and stays identical to plain greedy."""
+    from specrl.drafts import DraftTrainConfig, new_draft
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 10, (24,), generator=g)]
+    draft = new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=8)).generate(prompts, params)
+    accepted = {}
+    for name, cfg in {"chain": SpecConfig(mode="chain", gamma=3),
+                      "tree": SpecConfig(mode="tree", gamma=3, tree_topk=8, tree_budget=40)}.items():
+        out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=8), speculator=Speculator(draft, cfg)).generate(prompts, params)
+        assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+        accepted[name] = sum(t.spec.accepted for t in out)
+    assert accepted["tree"] > 2 * accepted["chain"]
