@@ -71,6 +71,9 @@ class EmbeddedEngine:
             speculator.check_target(model)
         self.generator = torch.Generator(device="cpu")
         self.last_stats: dict = {}
+        # called as hook(n_active, n_slots) after every engine step: the rollout's long tail is
+        # an idle window for co-located work (specrl's draft trainer uses it)
+        self.step_hooks: list = []
 
     @property
     def device(self) -> torch.device:
@@ -98,7 +101,7 @@ class EmbeddedEngine:
                                   self.model.embed_tokens.weight.dtype)
         pending = deque(states)
         slots: list[SlotState | None] = [None] * n_slots
-        t0, steps, tokens_before = time.perf_counter(), 0, 0
+        t0, steps = time.perf_counter(), 0
         while pending or any(s is not None for s in slots):
             free = [i for i, s in enumerate(slots) if s is None]
             admit = [(i, pending.popleft()) for i in free[: len(pending)]]
@@ -109,11 +112,23 @@ class EmbeddedEngine:
             active = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None]
             if active:
                 act_states = [slots[i] for i in active]
+                t_step = time.perf_counter()
                 if spec is not None and spec.should_speculate(len(active)):
-                    spec.step(self, cache, active, act_states, params, capture_features)
+                    L = cache.lengths[torch.tensor(active)].clone()
+                    try:
+                        result = spec.step(self, cache, active, act_states, params, capture_features)
+                        spec.observe(len(active), time.perf_counter() - t_step, result)
+                    except Exception as err:  # draft-side failure: never stop the rollout
+                        cache.rollback(torch.tensor(active), L)
+                        spec.on_fault(err)
+                        self._decode_step(cache, active, act_states, params, capture_features, spec)
                 else:
                     self._decode_step(cache, active, act_states, params, capture_features, spec)
+                    if spec is not None:
+                        spec.observe(len(active), time.perf_counter() - t_step, None)
                 steps += 1
+                for hook in self.step_hooks:
+                    hook(len(active), n_slots)
             for i, s in enumerate(slots):
                 if s is not None and s.finish_reason is not None:
                     slots[i] = None

@@ -14,6 +14,7 @@ RL loss sees exactly the numbers plain decoding would give (up to float reassoci
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -47,22 +48,41 @@ class Speculator:
         self.draft = draft.eval()
         self.config = config or SpecConfig()
         self.enabled = True
-        self.controller = None  # optional: decides per step whether to speculate (specrl.controller)
+        self.controller = None  # optional: picks plain or gamma per step (specrl.controller)
+        self.faults: list[str] = []  # one line per draft-side failure, newest last
+        self.version = 0  # version of the draft weights in use (hot swap)
 
     def check_target(self, target) -> None:
         """Fail with a one-line error if the draft was not built for this target."""
         check_draft_against_target(self.draft.cfg, target.cfg)
 
     def set_draft(self, draft) -> None:
-        """Hot swap: the next generate() call uses this draft."""
+        """Replace the draft module; the next generate() call uses it."""
         self.draft = draft.eval()
+
+    @torch.no_grad()
+    def load_draft_weights(self, weights: dict, version: int) -> None:
+        """Hot swap: copy fresh weights (SGLang names, no embedding) into the engine's draft in
+        place, so even a rollout in flight picks them up at its next step. Speculation stays
+        lossless whatever the draft; only acceptance changes."""
+        state = self.draft.state_dict()
+        missing = sorted(set(state) - set(weights))
+        if missing:
+            raise ValueError(f"draft weights lack {missing[:3]}")
+        for name, t in state.items():
+            t.copy_(weights[name].to(t.device, t.dtype))
+        self.version = version
+
+    def max_depth(self) -> int:
+        ctrl = self.controller
+        return max([self.config.gamma] + (list(ctrl.config.gammas) if ctrl is not None else []))
 
     def block_slack(self) -> int:
         """Most cache positions one verify block can write past the last kept token."""
-        c = self.config
+        c, depth = self.config, self.max_depth()
         if c.mode == "chain":
-            return c.gamma + 1
-        return 1 + c.tree_topk + (c.gamma - 1) * c.tree_topk ** 2  # every drafted candidate, at worst
+            return depth + 1
+        return 1 + c.tree_topk + (depth - 1) * c.tree_topk ** 2  # every drafted candidate, at worst
 
     def begin(self, n_slots: int, max_len: int) -> "SpecSession":
         return SpecSession(self, n_slots, max_len + self.block_slack())
@@ -75,13 +95,37 @@ class SpecSession:
         self.cache = self.draft.new_cache(n_slots, max_len, dev)
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]  # features not yet fed to the draft
         self.max_len = max_len
+        self.faulted = False
 
     # -- hooks called by the engine -------------------------------------------------------
     def should_speculate(self, n_active: int) -> bool:
-        if not self.spec.enabled:
+        if not self.spec.enabled or self.faulted:
             return False
         ctrl = self.spec.controller
         return ctrl.should_speculate(n_active) if ctrl is not None else True
+
+    def depth(self) -> int:
+        ctrl = self.spec.controller
+        return ctrl.gamma_for_step() if ctrl is not None else self.cfg.gamma
+
+    def observe(self, n_active: int, seconds: float, result: dict | None) -> None:
+        """Feed the step's measured time and acceptance to the controller, if any."""
+        ctrl = self.spec.controller
+        if ctrl is None:
+            return
+        if result is None:
+            ctrl.observe_plain(n_active, seconds)
+        else:
+            ctrl.observe_spec(n_active, result["gamma"], seconds, result["tokens_per_seq"], result["accepted"],
+                              result["drafted"])
+
+    def on_fault(self, err: Exception) -> None:
+        """A draft-side failure: plain decoding for the rest of this generate() call; the next
+        call tries speculation again."""
+        msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        self.spec.faults.append(msg)
+        self.faulted = True
+        warnings.warn(f"speculation disabled for this rollout after a draft failure ({msg})", RuntimeWarning)
 
     def on_prefill(self, slot_ids: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor, lens: torch.Tensor) -> None:
         self.cache.reset(slot_ids)
@@ -94,11 +138,13 @@ class SpecSession:
             self.pending[s].append(feats[r])
 
     # -- one speculative step ------------------------------------------------------------
-    def step(self, engine, cache, active: list[int], states, params: SamplingParams, capture: bool) -> None:
+    def step(self, engine, cache, active: list[int], states, params: SamplingParams, capture: bool) -> dict:
         slots = torch.tensor(active, device=cache.lengths.device)
         L = cache.lengths[slots]  # (B,)
-        depth = self.cfg.gamma  # the caches carry `block_slack` spare positions for the verify block
+        depth = self.depth()  # the caches carry `block_slack` spare positions for the verify block
         h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, Vd)
+        if bool(torch.isnan(q_last).any() or torch.isposinf(q_last).any()):  # -inf marks non-draft tokens
+            raise FloatingPointError("draft produced NaN or infinite logits")
         ctx = _Sampling(params, engine, states)
         if self.cfg.mode == "chain":
             tokens, parents, draft_logp, valid, verified = self._draft_chain(slots, h_last, q_last, depth, ctx)
@@ -126,6 +172,7 @@ class SpecSession:
         feats = gather_path(path, out.features(engine.model.cfg.feature_layer_ids), fill=0)  # (B, W, 3H)
         lp_all = policy_logprobs(out.logits, params.temperature)  # (B, N, V)
         path_lp = gather_path(path, lp_all, fill=0)  # (B, W, V)
+        emitted_total = drafted_total = 0
         for r, (slot, st) in enumerate(zip(active, states)):
             k = int(n_keep[r])  # root + accepted drafts
             self.pending[slot] = [feats[r, :k]]
@@ -135,9 +182,14 @@ class SpecSession:
             drafted_depth = int(node_depths(block_parents[r : r + 1]).masked_fill(~block_valid[r : r + 1], 0).max())
             if st.spec is not None:
                 st.spec.record(drafted_depth, k - 1)
+            emitted_total += len(emitted)
+            drafted_total += drafted_depth
             for i, t in enumerate(emitted):
                 if not engine.append_token(st, t, float(path_lp[r, i, t]), params):
                     break
+        n = len(active)
+        return {"gamma": depth, "tokens_per_seq": emitted_total / n, "accepted": emitted_total - n,
+                "drafted": drafted_total}
 
     # -- drafting ------------------------------------------------------------------------
     def _feed_pending(self, slots: torch.Tensor, states):

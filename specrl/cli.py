@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="override the preset's number of GRPO steps")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--spec", default="off", choices=["off", "frozen", "online"],
+                   help="speculative rollouts: off, with the offline draft frozen, or co-trained online")
 
     p = sub.add_parser("bench", help="benchmarks that print and save JSON")
     bsub = p.add_subparsers(dest="bench", required=True)
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> dict:
         if args.steps is not None and args.steps <= 0:
             raise ValueError(f"--steps must be positive, got {args.steps}")
         return train_rl(args.task, args.preset, args.out, seed=args.seed, resume=args.resume, steps=args.steps,
-                        cache_dir=args.cache_dir, progress=not args.no_progress)
+                        cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec)
     if args.command == "bench" and args.bench == "generate":
         from specrl.bench import bench_generate
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from rollout.speculative import SpecConfig
+from specrl.drafts import DraftTrainConfig
 from target_training.grpo import GRPOConfig
 from target_training.sft import SFTConfig
 
@@ -27,6 +29,8 @@ class RunPreset:
     checkpoint_every: int = 5
     max_batch: int = 64
     task_kwargs: dict = field(default_factory=dict)
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", gamma=4))
+    draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
 
     def __post_init__(self) -> None:
         for name in ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
@@ -44,7 +48,8 @@ RL_PRESETS: dict[str, RunPreset] = {
     # CI-sized: seconds. Used by the tests.
     "ci": RunPreset(model="tiny", sft=SFTConfig(steps=60, batch_size=16, lr=3e-3, n_examples=512),
                     grpo=GRPOConfig(lr=3e-4), rl_steps=2, prompts_per_step=4, group_size=4,
-                    max_new_tokens=48, eval_prompts=16, checkpoint_every=1, max_batch=16),
+                    max_new_tokens=48, eval_prompts=16, eval_samples=2, checkpoint_every=1, max_batch=16,
+                    draft=DraftTrainConfig(n_sequences=128, steps=40, batch_size=16, max_new_tokens=48)),
     # The quick CPU run: a few minutes on 2 cores.
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,

@@ -16,6 +16,8 @@ from tqdm import tqdm
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
+from specrl.cotrain import CoTrainConfig, SpecCoTrainer
+from specrl.drafts import cached_offline_draft
 from specrl.presets import RunPreset, get_preset
 from target_training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from target_training.config import model_config_for
@@ -95,17 +97,28 @@ def truncate_metrics(path: Path, last_step: int) -> None:
     tmp.replace(path)
 
 
+def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed: int, cache_dir: Path, log=print):
+    """The co-training plug-in for --spec off|frozen|online (off: a no-op object)."""
+    if mode == "off":
+        return SpecCoTrainer(None, CoTrainConfig(mode="off"))
+    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
+    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log)
+    return SpecCoTrainer(draft, CoTrainConfig(mode=mode, spec=preset.spec, seed=seed))
+
+
 def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int = 0, resume: bool = False,
-             steps: int | None = None, cache_dir: Path | None = None, progress: bool = True, log=print) -> dict:
+             steps: int | None = None, cache_dir: Path | None = None, progress: bool = True, spec: str = "off",
+             log=print) -> dict:
     t_start = time.perf_counter()
     preset = get_preset(preset_name).with_overrides(rl_steps=steps)
     out = Path(out_dir)
     prepare_run_dir(out, resume)
     torch.manual_seed(seed)
-    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir or default_cache_dir(), log,
-                                                              progress)
+    cache_dir = cache_dir or default_cache_dir()
+    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
     trainer = GRPOTrainer(policy, preset.grpo)
+    cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log).attach(engine, trainer)
     heldout = task.examples("heldout", preset.eval_prompts, seed)
     pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
 
@@ -115,6 +128,7 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
         policy.load_state_dict(ckpt_model.state_dict())
         trainer.load_state_dict(state["trainer"])
         torch.set_rng_state(state["torch_rng"])
+        cotrain.load_state_dict(state["cotrain"])
         start_step, eval_start = state["trainer"]["step"], state["eval_start"]
         truncate_metrics(out / "metrics.jsonl", start_step - 1)
         log(f"[rl] resumed from {out / 'ckpt'} at step {start_step}")
@@ -126,25 +140,29 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
                total=preset.rl_steps)
     for step in bar:
         t0 = time.perf_counter()
+        cotrain.begin_step()
         examples = step_examples(task, pool, preset, seed, step)
         ids = [step * len(examples) + i for i in range(len(examples))]
         trajs = engine.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed),
-                                request_ids=ids)
+                                request_ids=ids, capture_features=cotrain.capture_engine_features)
         gen = dict(engine.last_stats)
+        cotrain.on_rollout(trajs)
         rewards = score(task, tokenizer, examples, trajs)
         metrics = trainer.step(trajs, rewards, preset.group_size)
+        cotrain.on_policy_update()
+        cotrain.train_draft()
         row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], "rollout_s": gen["wall_s"],
-               "step_s": time.perf_counter() - t0}
+               **cotrain.end_step(), "step_s": time.perf_counter() - t0}
         with open(out / "metrics.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         bar.set_postfix(reward=f"{row['reward']:.2f}", len=f"{row['response_len']:.0f}")
         if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.rl_steps:
             save_checkpoint(out / "ckpt", policy, policy.cfg, optimizer=None,
                             state={"trainer": trainer.state_dict(), "torch_rng": torch.get_rng_state(),
-                                   "eval_start": eval_start})
+                                   "eval_start": eval_start, "cotrain": cotrain.state_dict()})
 
     eval_end = evaluate(engine, task, tokenizer, heldout, preset, seed)
-    summary = {"task": task_name, "preset": preset_name, "seed": seed, "rl_steps": preset.rl_steps,
+    summary = {"task": task_name, "preset": preset_name, "seed": seed, "spec": spec, "rl_steps": preset.rl_steps,
                "reward_start": eval_start["reward"], "reward_end": eval_end["reward"],
                "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
                "eval_prompts": len(heldout), "eval_samples_per_prompt": preset.eval_samples,

@@ -35,11 +35,17 @@ class GRPOConfig:
     aux_loss_coef: float | None = None  # router load-balancing weight; None = model config's
     temperature: float = 1.0  # must equal the rollout temperature
     adv_eps: float = 1e-6
+    # "trainer": the ratio's denominator is the trainer's own log-prob of the rollout (so the
+    # update depends only on the tokens, never on how the engine computed its numbers);
+    # "engine": the engine's log-probs (they agree to ~1e-6, see tests/test_grpo.py).
+    old_logprobs: str = "trainer"
 
     def __post_init__(self) -> None:
         for name in ("lr", "clip_eps", "max_grad_norm", "temperature"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"GRPOConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.old_logprobs not in ("trainer", "engine"):
+            raise ValueError(f"GRPOConfig.old_logprobs must be 'trainer' or 'engine', got {self.old_logprobs!r}")
         if self.ppo_epochs <= 0 or self.minibatch_size < 0 or self.kl_coef < 0:
             raise ValueError("GRPOConfig: ppo_epochs must be positive, minibatch_size and kl_coef non-negative")
 
@@ -159,6 +165,14 @@ class GRPOTrainer:
         aux_coef = cfg.aux_loss_coef if cfg.aux_loss_coef is not None else self.unwrapped.cfg.router_aux_loss_coef
         B = batch["input_ids"].shape[0]
         mb = cfg.minibatch_size or B
+        engine_logp = batch["old_logp"]
+        single_update = cfg.ppo_epochs == 1 and mb >= B
+        if cfg.old_logprobs == "trainer" and not single_update:
+            with torch.no_grad():
+                batch["old_logp"] = torch.cat([self.forward_logprobs(batch["input_ids"][lo: lo + mb],
+                                                                     batch["response_mask"][lo: lo + mb],
+                                                                     run_hooks=False)[0]
+                                               for lo in range(0, B, mb)])
         sums: dict[str, float] = {}
         n_updates = 0
         self.model.train()
@@ -168,7 +182,8 @@ class GRPOTrainer:
                 logp, ent, out = self.forward_logprobs(batch["input_ids"][sl], batch["response_mask"][sl],
                                                        run_hooks=epoch == 0)
                 mask = batch["response_mask"][sl]
-                loss, m = grpo_loss(logp, batch["old_logp"][sl], adv[sl], mask, cfg.clip_eps,
+                old = logp.detach() if cfg.old_logprobs == "trainer" and single_update else batch["old_logp"][sl]
+                loss, m = grpo_loss(logp, old, adv[sl], mask, cfg.clip_eps,
                                     ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef)
                 loss = loss + aux_coef * out.aux_loss
                 self.optimizer.zero_grad(set_to_none=True)
@@ -181,7 +196,7 @@ class GRPOTrainer:
                 mf = mask.float()
                 m.update(loss=loss.item(), aux_loss=out.aux_loss.item(), grad_norm=grad_norm.item(),
                          entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
-                         kl_old=((batch["old_logp"][sl] - logp.detach()) * mf).sum().item() / mf.sum().clamp(min=1).item(),
+                         logprob_mismatch=((engine_logp[sl] - logp.detach()).abs() * mf).max().item() if epoch == 0 else 0.0,
                          router_balance=router_balance(out.expert_counts))
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v

@@ -41,7 +41,7 @@ def test_run_refuses_to_overwrite_and_resumes(tmp_path, cache, capsys):
     assert main(base + ["--steps", "1"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0]
-    for key in ("reward", "kl_old", "entropy", "response_len", "tokens_per_s", "step_s", "router_balance"):
+    for key in ("reward", "logprob_mismatch", "entropy", "response_len", "tokens_per_s", "step_s", "router_balance"):
         assert key in rows[0]
     summary = json.loads((out / "summary.json").read_text())
     assert {"reward_start", "reward_end", "wall_s"} <= set(summary)
