@@ -64,6 +64,7 @@ class SpecCoTrainer:
         self.engine = None
         self.trainer = None
         self.speculator = None
+        self.draft_trainer = None
         self.faults = 0
         self._step_metrics: dict = {}
         self._rollout_metrics: dict = {}

@@ -87,11 +87,10 @@ def verify_dir(path: str | os.PathLike) -> dict:
 
 
 def config_mismatch(saved: dict, expected: dict) -> str | None:
-    """First differing field, as text, or None."""
-    for key in sorted(set(saved) | set(expected)):
-        if saved.get(key) != expected.get(key):
-            return f"{key}: checkpoint has {saved.get(key)!r}, expected {expected.get(key)!r}"
-    return None
+    """The differing fields, as one line of text, or None."""
+    diffs = [f"{key}: checkpoint has {saved.get(key)!r}, expected {expected.get(key)!r}"
+             for key in sorted(set(saved) | set(expected)) if saved.get(key) != expected.get(key)]
+    return "; ".join(diffs) if diffs else None
 
 
 def save_checkpoint(out_dir, model: torch.nn.Module, config: MoEConfig, *, optimizer=None,
