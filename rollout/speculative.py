@@ -306,7 +306,7 @@ def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_vali
     """Rejection sampling over siblings needs every drafted sibling that precedes an accepted
     one in draw order; pruned siblings whose parent is kept are added back as unverified."""
     B = keep.shape[0]
-    rows_keep, rows_par, rows_valid, rows_ver = [], [], [], []
+    rows_keep, rows_par, rows_ver = [], [], []
     for b in range(B):
         kept = [int(c) for c, v in zip(keep[b].tolist(), keep_valid[b].tolist()) if v]
         kept_set = set(kept)
