@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from draft_models.config import Eagle3Config, Eagle3ConfigError
 from draft_models.vocab import check_vocab, draft_logits_to_target, identity_vocab
-from target_training.model import KVCache, RMSNorm, apply_rope, attend, rope_cos_sin
+from target_training.model import KVCache, RMSNorm, apply_rope, attend, plan_attention, rope_cos_sin
 
 
 class _Ref:
@@ -187,32 +187,12 @@ class Eagle3Draft(nn.Module):
         or per attn_mask (tree); the slot lengths advance by T (roll back what you drop).
         """
         B, T = input_ids.shape
-        if input_ids.dtype != torch.long:
-            raise TypeError(f"input_ids must be int64, got {input_ids.dtype}")
         if hidden.shape[:2] != (B, T):
             raise ValueError(f"hidden must have shape ({B}, {T}, ...), got {tuple(hidden.shape)}")
-        if attn_mask is not None and (attn_mask.shape[:2] != (B, T) or attn_mask.shape[2] < T
-                                      or (cache is None and attn_mask.shape[2] != T)):
-            raise ValueError(f"attn_mask must have shape {(B, T, T)} (or (B, T, W > T) with a cache), "
-                             f"got {tuple(attn_mask.shape)}")
-        block, mask = None, None
-        if cache is None:
-            if T > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
-            if positions is None:
-                positions = torch.arange(T, device=input_ids.device).expand(B, T)
-            if attn_mask is not None:
-                mask = attn_mask[:, None]
-        else:
-            if slots is not None and slots.shape != (B,):
-                raise ValueError(f"slots must have shape ({B},), got {tuple(slots.shape)}")
-            block = cache.begin_block(slots if slots is not None else cache.all_slots()[:B], T, attn_mask)
-            if positions is None:
-                positions = block.write_pos
+        block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len)
         h, q, k, v = self.prepare(input_ids, hidden, positions, project)
         if block is not None:
             k, v = block.write_and_read(0, k, v)
-            mask = block.mask
         out = self.finish(h, q, k, v, mask)
         if block is not None:
             block.commit()

@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--spec", default="off", choices=["off", "frozen", "online"],
                    help="speculative rollouts: off, with the offline draft frozen, or co-trained online")
 
+    p = sub.add_parser("train-draft", help="train the starting EAGLE-3 draft offline on a policy's rollouts")
+    _add_common(p)
+    p.add_argument("--policy", type=Path, default=None,
+                   help="policy checkpoint folder (e.g. RUN/ckpt); default: the preset's SFT warm start")
+
     p = sub.add_parser("bench", help="benchmarks that print and save JSON")
     bsub = p.add_subparsers(dest="bench", required=True)
     g = bsub.add_parser("generate", help="plain generation tokens/s at batch 1, 4, 16")
@@ -57,6 +62,11 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--steps must be positive, got {args.steps}")
         return train_rl(args.task, args.preset, args.out, seed=args.seed, resume=args.resume, steps=args.steps,
                         cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec)
+    if args.command == "train-draft":
+        from specrl.drafts import train_draft_command
+
+        return train_draft_command(args.task, args.preset, args.out, policy_path=args.policy, seed=args.seed,
+                                   cache_dir=args.cache_dir)
     if args.command == "bench" and args.bench == "generate":
         from specrl.bench import bench_generate
 

@@ -22,6 +22,7 @@ from draft_models.train import capture_features, train_offline
 from draft_models.vocab import build_draft_vocab, count_tokens
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
+from target_training.config import require_positive
 
 
 @dataclass
@@ -37,9 +38,8 @@ class DraftTrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("n_sequences", "steps", "batch_size", "draft_vocab_size", "ttt_steps", "max_new_tokens"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"DraftTrainConfig.{name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("n_sequences", "steps", "batch_size", "draft_vocab_size", "ttt_steps",
+                                "max_new_tokens", "lr"))
 
 
 def rollout_records(policy, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
@@ -106,3 +106,25 @@ def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache
     save_draft(draft, path)
     log(f"[draft] cached at {path}")
     return draft, {"path": str(path), "cached": False, **info}
+
+
+def train_draft_command(task_name: str, preset_name: str, out_dir, *, policy_path=None, seed: int = 0,
+                        cache_dir=None) -> dict:
+    """`specrl train-draft`: offline draft for a policy, saved in the SGLang EAGLE-3 layout."""
+    from specrl.presets import get_preset
+    from specrl.train_rl import build_task_and_policy, encode_prompts
+    from target_training.checkpoint import load_checkpoint
+    from target_training.sft import default_cache_dir
+
+    preset = get_preset(preset_name)
+    out = Path(out_dir) / "draft"
+    if out.exists():
+        raise ValueError(f"{out} already exists; choose another --out")
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, Path(cache_dir or default_cache_dir()))
+    if policy_path is not None:
+        policy, _, _, _ = load_checkpoint(policy_path, policy.cfg)
+        policy.eval()
+    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
+    draft, info = train_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,))
+    save_draft(draft, out)
+    return {"draft": str(out), "draft_vocab_size": int(draft.d2t.numel()), **info}

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from rollout.speculative import SpecConfig
 from specrl.drafts import DraftTrainConfig
+from target_training.config import require_positive
 from target_training.grpo import GRPOConfig
 from target_training.sft import SFTConfig
 
@@ -33,10 +34,8 @@ class RunPreset:
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
 
     def __post_init__(self) -> None:
-        for name in ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
-                     "checkpoint_every", "max_batch"):
-            if getattr(self, name) <= 0:
-                raise PresetError(f"preset field {name} must be positive, got {getattr(self, name)}")
+        require_positive(self, ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
+                                "eval_samples", "checkpoint_every", "max_batch"), PresetError)
         if self.group_size < 2:
             raise PresetError(f"GRPO needs group_size >= 2, got {self.group_size}")
 

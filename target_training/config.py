@@ -14,6 +14,14 @@ class ConfigError(ValueError):
     """A configuration value is out of range or inconsistent (one-line message)."""
 
 
+def require_positive(config, names, error: type[Exception] = ConfigError) -> None:
+    """Raise `error` naming the first field of `config` among `names` that is not > 0."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise error(f"{type(config).__name__}.{name} must be positive, got {value!r}")
+
+
 @dataclass
 class MoEConfig:
     vocab_size: int = 64
@@ -43,10 +51,7 @@ class MoEConfig:
     def validate(self) -> None:
         positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                     "expert_intermediate_size", "num_experts", "top_k", "dense_intermediate_size", "max_seq_len"]
-        for name in positive:
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"MoEConfig.{name} must be a positive integer, got {value!r}")
+        require_positive(self, positive)
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(f"MoEConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.top_k > self.num_experts:

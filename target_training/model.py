@@ -246,6 +246,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2).reshape(B, T, -1)
 
 
+def plan_attention(input_ids: torch.Tensor, cache: KVCache | None, slots, positions, attn_mask, max_seq_len: int):
+    """Shared by every decoder here (policy and draft): validate the inputs, then either plan a
+    cache block (positions default to the write positions) or a cache-free pass (causal unless
+    attn_mask (B, T, T) is given). Returns (block or None, mask for attend(), positions)."""
+    B, T = input_ids.shape
+    if input_ids.dtype != torch.long:
+        raise TypeError(f"input_ids must be int64, got {input_ids.dtype}")
+    if attn_mask is not None and (attn_mask.shape[:2] != (B, T) or attn_mask.shape[2] < T
+                                  or (cache is None and attn_mask.shape[2] != T)):
+        raise ValueError(f"attn_mask must have shape {(B, T, T)} (or (B, T, W > T) with a cache), "
+                         f"got {tuple(attn_mask.shape)}")
+    if cache is None:
+        if T > max_seq_len:
+            raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {max_seq_len}")
+        if positions is None:
+            positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        return None, (attn_mask[:, None] if attn_mask is not None else None), positions
+    if slots is not None and slots.shape != (B,):
+        raise ValueError(f"slots must have shape ({B},), got {tuple(slots.shape)}")
+    block = cache.begin_block(slots if slots is not None else cache.all_slots()[:B], T, attn_mask)
+    return block, block.mask, (block.write_pos if positions is None else positions)
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor  # (B, T, V)
@@ -290,27 +313,7 @@ class MoETransformer(nn.Module):
         themselves, causally or per attn_mask (B, T, T). The slot lengths advance by T; callers
         roll back whatever they do not keep.
         """
-        B, T = input_ids.shape
-        if input_ids.dtype != torch.long:
-            raise TypeError(f"input_ids must be int64, got {input_ids.dtype}")
-        if attn_mask is not None and (attn_mask.shape[:2] != (B, T) or attn_mask.shape[2] < T
-                                      or (cache is None and attn_mask.shape[2] != T)):
-            raise ValueError(f"attn_mask must have shape {(B, T, T)} (or (B, T, W > T) with a cache), "
-                             f"got {tuple(attn_mask.shape)}")
-        block, mask = None, None
-        if cache is None:
-            if T > self.cfg.max_seq_len:
-                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len {self.cfg.max_seq_len}")
-            if positions is None:
-                positions = torch.arange(T, device=input_ids.device).expand(B, T)
-            if attn_mask is not None:
-                mask = attn_mask[:, None]
-        else:
-            if slots is not None and slots.shape != (B,):
-                raise ValueError(f"slots must have shape ({B},), got {tuple(slots.shape)}")
-            block = cache.begin_block(slots if slots is not None else cache.all_slots()[:B], T, attn_mask)
-            if positions is None:
-                positions = block.write_pos
+        block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}

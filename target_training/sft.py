@@ -19,7 +19,7 @@ import torch
 from tqdm import tqdm
 
 from target_training.checkpoint import load_checkpoint, save_checkpoint
-from target_training.config import MoEConfig
+from target_training.config import MoEConfig, require_positive
 from target_training.grpo import sft_loss
 from target_training.model import MoETransformer
 
@@ -34,11 +34,7 @@ class SFTConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "n_examples"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SFTConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.lr <= 0:
-            raise ValueError(f"SFTConfig.lr must be positive, got {self.lr}")
+        require_positive(self, ("steps", "batch_size", "n_examples", "lr"))
 
 
 def default_cache_dir() -> Path:

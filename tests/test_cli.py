@@ -70,3 +70,17 @@ def test_resume_from_corrupted_checkpoint(tmp_path, cache, capsys):
 def test_console_entry_point_help():
     r = subprocess.run([sys.executable, "-m", "specrl", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "train-rl" in r.stdout
+
+
+def test_train_draft_exports_sglang_layout(tmp_path, cache):
+    from safetensors import safe_open
+
+    argv = ["train-draft", "--preset", "ci", "--out", str(tmp_path), "--cache-dir", str(cache)]
+    assert main(argv) == 0
+    cfg = json.loads((tmp_path / "draft" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    with safe_open(str(tmp_path / "draft" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
+    assert not any("embed" in n for n in names)
+    assert main(argv) == 2  # never overwrites an exported draft
