@@ -80,6 +80,7 @@ class OnlineDraftTrainer:
                                            weight_decay=self.config.weight_decay)
         self._params = params
         self.version = 0
+        self.step_seconds: float | None = None  # running estimate of one update, for budgeting
         self.counters = {"steps": 0, "updates": 0, "skipped_nonfinite": 0, "skipped_empty": 0}
 
     # ------------------------------------------------------------------ one step
@@ -138,9 +139,10 @@ class OnlineDraftTrainer:
     # ------------------------------------------------------------------ budgeted bursts
     def train_for(self, buffer, max_steps: int, time_budget_s: float, generator: torch.Generator | None, *,
                   min_version: int | None = None) -> dict:
-        """Run steps until max_steps or the time budget. A step is not started when the mean step
-        time so far says it would overrun the budget (the RL step must not wait on the draft);
-        the first step runs whenever the budget is positive. An empty buffer ends the burst.
+        """Run steps until max_steps or the time budget. A step is not started when the measured
+        step time (an average kept across calls) says it would overrun the budget: the RL step
+        must not wait on the draft. Only the very first step, with nothing measured yet, runs on
+        any positive budget. An empty buffer ends the burst.
         Returns steps, updates, skipped_nonfinite, seconds, mean_loss (over finite losses),
         version, and `last` (the last step's metrics)."""
         if max_steps < 0 or not time_budget_s == time_budget_s:
@@ -151,11 +153,14 @@ class OnlineDraftTrainer:
         last: dict = {}
         while steps < max_steps and time_budget_s > 0:
             elapsed = time.perf_counter() - t0
-            if steps and elapsed + elapsed / steps > time_budget_s:
+            if self.step_seconds is not None and elapsed + self.step_seconds > time_budget_s:
                 break
+            t_step = time.perf_counter()
             last = self.train_step(buffer, generator, min_version=min_version)
             if last.get("skipped_empty"):
                 break
+            dt = time.perf_counter() - t_step
+            self.step_seconds = dt if self.step_seconds is None else 0.7 * self.step_seconds + 0.3 * dt
             steps += 1
             if last["skipped_nonfinite"]:
                 skipped += 1

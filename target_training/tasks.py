@@ -64,8 +64,13 @@ class Task:
     styles: dict[str, float] = {}
     rare_style: str | None = None
 
-    def __init__(self, format_bonus: float = 0.0):
+    rare_format: "re.Pattern | None" = None  # the rare style's shape, step values unchecked
+
+    def __init__(self, format_bonus: float = 0.0, bonus_rule: str = "exact"):
+        if bonus_rule not in ("exact", "format"):
+            raise TaskError(f"bonus_rule must be 'exact' or 'format', got {bonus_rule!r}")
         self.format_bonus = float(format_bonus)
+        self.bonus_rule = bonus_rule
 
     # --- problems -----------------------------------------------------------------
     def sample(self, rng: random.Random) -> Example:
@@ -136,6 +141,8 @@ class Task:
         """
         if self.rare_style is None:
             return False
+        if self.bonus_rule == "format":  # shape only: a checkable step format
+            return self.rare_format is not None and self.rare_format.fullmatch(completion.strip()) is not None
         return completion.strip() == self.completion(example, self.rare_style)
 
     def reward(self, example: Example, completion: str) -> float:
@@ -164,8 +171,10 @@ class ArithTask(Task):
     rare_style = "cols"
     _final = re.compile(r"(?:ans |=)(\d+)$")
 
-    def __init__(self, min_digits: int = 2, max_digits: int = 4, format_bonus: float = 0.0):
-        super().__init__(format_bonus)
+    rare_format = re.compile(r"(\(\d \d( \d)?:\d+\))+=\d+")
+
+    def __init__(self, min_digits: int = 2, max_digits: int = 4, format_bonus: float = 0.0, bonus_rule: str = "exact"):
+        super().__init__(format_bonus, bonus_rule)
         if not (isinstance(min_digits, int) and isinstance(max_digits, int) and 1 <= min_digits <= max_digits <= 9):
             raise TaskError(f"arith needs 1 <= min_digits <= max_digits <= 9, got {min_digits}, {max_digits}")
         self.min_digits, self.max_digits = min_digits, max_digits
@@ -232,8 +241,11 @@ class SortTask(Task):
     rare_style = "steps"
     _numbers = re.compile(r"\d+( \d+)*")
 
-    def __init__(self, min_len: int = 4, max_len: int = 7, max_value: int = 99, format_bonus: float = 0.0):
-        super().__init__(format_bonus)
+    rare_format = re.compile(r"m\d+(;m\d+)*;ans \d+( \d+)*")
+
+    def __init__(self, min_len: int = 4, max_len: int = 7, max_value: int = 99, format_bonus: float = 0.0,
+                 bonus_rule: str = "exact"):
+        super().__init__(format_bonus, bonus_rule)
         if not (isinstance(min_len, int) and isinstance(max_len, int) and 1 <= min_len <= max_len <= 16):
             raise TaskError(f"sort needs 1 <= min_len <= max_len <= 16, got {min_len}, {max_len}")
         if not isinstance(max_value, int) or not 1 <= max_value <= 999:

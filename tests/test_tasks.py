@@ -236,3 +236,17 @@ def test_unknown_task_message():
     assert str(err.value).startswith("unknown task 'addition'; choose from ['arith', 'sort']")
     with pytest.raises(TaskError, match="bad arguments"):
         get_task("arith", digits=3)
+
+
+@pytest.mark.parametrize("task_cls", [ArithTask, SortTask])
+def test_format_bonus_rule_checks_shape_only(task_cls):
+    t = task_cls(format_bonus=0.5, bonus_rule="format")
+    for e in t.examples("train", 20, seed=2):
+        rare = t.completion(e, t.rare_style)
+        common = t.completion(e, [s for s in t.styles if s != t.rare_style][0])
+        assert t.reward(e, rare) == pytest.approx(1.5)
+        assert t.reward(e, common) == pytest.approx(1.0)
+        wrong = rare[:-1] + str((int(rare[-1]) + 1) % 10)  # right shape, wrong final digit
+        assert t.follows_rare_style(e, wrong) and t.reward(e, wrong) < 1.5
+    with pytest.raises(TaskError, match="bonus_rule"):
+        task_cls(bonus_rule="loose")
