@@ -43,6 +43,7 @@ class CoTrainConfig:
     feature_source: str = "trainer"  # where the buffer's features come from
     buffer_bytes: int = 64 << 20
     online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
+    recent_versions: int = 0  # train on features of the last N policy versions only (0: all)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     max_draft_steps: int = 64  # per RL step, across windows
     min_buffer_records: int = 16
@@ -53,7 +54,7 @@ class CoTrainConfig:
             raise ValueError(f"CoTrainConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.feature_source not in SOURCES:
             raise ValueError(f"CoTrainConfig.feature_source must be one of {SOURCES}, got {self.feature_source!r}")
-        if self.buffer_bytes <= 0 or self.max_draft_steps < 0 or self.min_buffer_records <= 0:
+        if self.buffer_bytes <= 0 or self.max_draft_steps < 0 or self.min_buffer_records <= 0 or self.recent_versions < 0:
             raise ValueError("CoTrainConfig: buffer_bytes and min_buffer_records must be positive, max_draft_steps >= 0")
 
 
@@ -200,7 +201,10 @@ class SpecCoTrainer:
             return 0.0
         before = self.draft_trainer.version
         try:
-            result = self.draft_trainer.train_for(self.buffer, steps, remaining_s, self.generator)
+            recent = self.config.recent_versions
+            min_version = max(0, self.policy_version - recent) if recent else None
+            result = self.draft_trainer.train_for(self.buffer, steps, remaining_s, self.generator,
+                                                  min_version=min_version)
         except Exception as err:  # OOM, NaN or a bug on the draft side: never stop the RL run
             self._on_draft_error(err)
             return time.perf_counter() - t0
