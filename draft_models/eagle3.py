@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from draft_models.config import Eagle3Config, Eagle3ConfigError
 from draft_models.vocab import check_vocab, draft_logits_to_target, identity_vocab
-from target_training.model import KVCache, RMSNorm, apply_rope, attend, plan_attention, rope_cos_sin
+from target_training.model import KVCache, RMSNorm, SwiGLU, apply_rope, attend, plan_attention, rope_cos_sin
 
 
 class _Ref:
@@ -61,17 +61,6 @@ class Eagle3Attention(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-class Eagle3MLP(nn.Module):
-    def __init__(self, hidden: int, inter: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Eagle3DecoderLayer(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
@@ -79,7 +68,7 @@ class Eagle3DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        self.mlp = Eagle3MLP(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def qkv(self, emb, h, cos, sin):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(h)], dim=-1)

@@ -150,15 +150,17 @@ class Attention(nn.Module):
         return self.o_proj(attend(q, k, v, mask))
 
 
-class DenseMLP(nn.Module):
+class SwiGLU(nn.Module):
+    """The dense feed-forward (policy's first layer, the draft's MLP)."""
+
     def __init__(self, hidden: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)), None
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class MoE(nn.Module):
@@ -203,11 +205,12 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         dense = cfg.dense_first_layer and layer_id == 0
-        self.mlp = DenseMLP(cfg.hidden_size, cfg.dense_intermediate_size) if dense else MoE(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size) if dense else MoE(cfg)
 
     def forward(self, x, cos, sin, block, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, block, mask)
-        y, router = self.mlp(self.post_attention_layernorm(x))
+        y = self.mlp(self.post_attention_layernorm(x))
+        y, router = y if isinstance(y, tuple) else (y, None)  # MoE also returns its router stats
         return x + y, router
 
 

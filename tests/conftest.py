@@ -5,6 +5,15 @@ from target_training.config import model_config_for
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models: intra-op threads only add contention (much slower on a busy 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
 def tiny_cfg():
     return model_config_for("tiny", 64)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats_utils import chi2_pvalue
+from helpers import chi2_pvalue
 
 from rollout import acceptance as acc
 from rollout.sampling import process_logits, sample

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from helpers import SGLANG_KEYS
 from safetensors.torch import load_file, save_file
 
 import draft_models.checkpoint as ckpt
@@ -14,21 +15,9 @@ from draft_models.vocab import build_draft_vocab
 from target_training.config import MoEConfig, model_config_for
 
 V, VD = 64, 40
-WEIGHT_KEYS = {
-    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-}
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def make_pair(seed: int = 0):
@@ -61,8 +50,8 @@ def test_save_writes_sglang_layout_and_round_trips(tmp_path):
     out = save_draft(draft, tmp_path / "draft")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     tensors = load_file(str(out / "model.safetensors"))
-    assert set(tensors) == WEIGHT_KEYS  # no embedding
-    assert set(draft_state_dict_for_sglang(draft)) == WEIGHT_KEYS
+    assert set(tensors) == SGLANG_KEYS  # no embedding
+    assert set(draft_state_dict_for_sglang(draft)) == SGLANG_KEYS
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["torch_dtype"] == "float32"

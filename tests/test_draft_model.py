@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from helpers import SGLANG_KEYS
 
 from draft_models.config import Eagle3Config, Eagle3ConfigError
 from draft_models.eagle3 import Eagle3Draft
@@ -17,21 +18,8 @@ from target_training.config import model_config_for
 V, VD = 64, 40
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: intra-op threads only add contention (20x slower on a busy 2-core box)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
-SGLANG_KEYS = {
-    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
-}
 
 
 def make_pair(seed: int = 0, draft_vocab: int = VD):

@@ -9,7 +9,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
 from specrl.train_rl import encode_prompts
-from stats_utils import chi2_pvalue
+from helpers import chi2_pvalue
 
 SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4), "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=10)}
 

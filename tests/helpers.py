@@ -1,4 +1,4 @@
-"""Statistics shared by the losslessness tests."""
+"""Helpers shared by several test files."""
 import torch
 
 
@@ -18,3 +18,13 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int, 
     df = int(keep.sum()) - 1
     pval = torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat / 2)
     return float(stat), df, float(pval)
+
+
+# The tensor names SGLang's LlamaForCausalLMEagle3 loader expects (embeddings left out).
+SGLANG_KEYS = {
+    "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
+    "norm.weight", "lm_head.weight", "d2t", "t2d",
+}
