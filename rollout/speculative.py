@@ -172,6 +172,7 @@ class SpecSession:
         feats = gather_path(path, out.features(engine.model.cfg.feature_layer_ids), fill=0)  # (B, W, 3H)
         lp_all = policy_logprobs(out.logits, params.temperature)  # (B, N, V)
         path_lp = gather_path(path, lp_all, fill=0)  # (B, W, V)
+        drafted_depths = node_depths(block_parents).masked_fill(~block_valid, 0).max(1).values  # (B,)
         emitted_total = drafted_total = 0
         for r, (slot, st) in enumerate(zip(active, states)):
             k = int(n_keep[r])  # root + accepted drafts
@@ -179,7 +180,7 @@ class SpecSession:
             if capture:
                 st.features.append(feats[r, :k].to(torch.float16).cpu())
             emitted = [int(t) for t in block_tokens[r, path[r, 1:k]]] + [int(next_tok[r])]
-            drafted_depth = int(node_depths(block_parents[r : r + 1]).masked_fill(~block_valid[r : r + 1], 0).max())
+            drafted_depth = int(drafted_depths[r])
             if st.spec is not None:
                 st.spec.record(drafted_depth, k - 1)
             emitted_total += len(emitted)
