@@ -5,6 +5,7 @@ prompts, so ratios between rows are meaningful on a noisy machine.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import time
@@ -139,8 +140,8 @@ def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *
     draft_prompts = encode_prompts(tokenizer, task.examples("train", 1024, seed + 7))
     draft, _ = cached_offline_draft(policy, draft_prompts, DraftTrainConfig(max_new_tokens=preset.max_new_tokens),
                                     (tokenizer.eos_id,), cache_dir)
-    params = rollout_params(preset, tokenizer, seed, greedy=temperature == 0.0)
-    params.temperature = temperature
+    # replace() re-runs SamplingParams validation, so a bad --temperature is refused
+    params = dataclasses.replace(rollout_params(preset, tokenizer, seed), temperature=temperature)
     modes = {"chain": SpecConfig(mode="chain", gamma=chain_gamma),
              "tree": SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)}
     rows = []

@@ -69,6 +69,9 @@ class SpecCoTrainer:
         self.faults = 0
         self._step_metrics: dict = {}
         self._rollout_metrics: dict = {}
+        self._train_metrics: list[dict] = []  # draft-training results of the current RL step
+        self._t_step = time.perf_counter()
+        self._sync_s = 0.0
         if cfg.mode == "off":
             return
         # the engine speculates with its own copy; the trainer's copy is swapped in when it improves
@@ -116,7 +119,7 @@ class SpecCoTrainer:
             return
         self.scheduler.begin_step()
         self._draft_steps_this_rl_step = 0
-        self._train_metrics: list[dict] = []
+        self._train_metrics = []
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
 
@@ -170,11 +173,11 @@ class SpecCoTrainer:
         m = dict(self._rollout_metrics)
         m.update(self._step_metrics)
         if self.draft_trainer is not None:
-            losses = [t["draft_loss"] for t in getattr(self, "_train_metrics", []) if "draft_loss" in t]
+            losses = [t["draft_loss"] for t in self._train_metrics if "draft_loss" in t]
             m["train/draft_loss"] = sum(losses) / len(losses) if losses else None
             m["train/draft_steps"] = self._draft_steps_this_rl_step
             m["train/draft_version"] = self.draft_trainer.version
-            m["perf/draft_sync_s"] = getattr(self, "_sync_s", 0.0)
+            m["perf/draft_sync_s"] = self._sync_s
             m["buffer/entries"] = len(self.buffer)
             m["buffer/bytes"] = self.buffer.nbytes
         m["train/draft_faults"] = self.faults

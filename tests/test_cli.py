@@ -84,3 +84,9 @@ def test_train_draft_exports_sglang_layout(tmp_path, cache):
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} <= names
     assert not any("embed" in n for n in names)
     assert main(argv) == 2  # never overwrites an exported draft
+
+
+def test_bench_speed_bad_temperature(tmp_path, cache, capsys):
+    assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), "--cache-dir", str(cache),
+                 "--temperature", "-1", "--batches", "1"]) == 2
+    assert "temperature" in _err_line(capsys)
