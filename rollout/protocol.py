@@ -64,6 +64,23 @@ class SpecStats:
         self.accepted += n_accepted
 
 
+def summarize_spec_stats(stats) -> dict:
+    """Accept length, accept rate and per-position accept rate over many sequences' SpecStats."""
+    stats = [s for s in stats if s is not None]
+    verify = sum(s.verify_steps for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    drafted = sum(s.drafted for s in stats)
+    depth = max((len(s.drafted_per_pos) for s in stats), default=0)
+    per_pos = []
+    for d in range(depth):
+        n = sum(s.drafted_per_pos[d] for s in stats if len(s.drafted_per_pos) > d)
+        a = sum(s.accepted_per_pos[d] for s in stats if len(s.accepted_per_pos) > d)
+        per_pos.append(a / n if n else 0.0)
+    return {"accept_length": (accepted + verify) / verify if verify else 0.0,
+            "accept_rate": accepted / drafted if drafted else 0.0,
+            "accept_rate_per_pos": per_pos, "verify_steps": verify}
+
+
 @dataclass
 class Trajectory:
     prompt_ids: list[int]

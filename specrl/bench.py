@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import summarize_spec_stats
 from specrl.presets import get_preset
 from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_params
 from target_training.sft import default_cache_dir
@@ -52,11 +53,7 @@ def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int]
         rows.append({"batch": b, "mode": "plain", "tokens_per_s": round(r["tokens_per_s"], 2), "tokens": r["tokens"],
                      "wall_s": round(r["wall_s"], 4)})
         print(f"batch {b:>3}: {r['tokens_per_s']:8.1f} tokens/s ({r['tokens']} tokens in {r['wall_s']:.2f}s)")
-    summary = {"benchmark": "generate", "task": task_name, "preset": preset_name, "rows": rows, "machine": machine_info()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+    return save_summary(out_dir, {"benchmark": "generate", "task": task_name, "preset": preset_name, "rows": rows})
 
 
 # -- speculative decoding speed ------------------------------------------------------------
@@ -126,12 +123,37 @@ def step_costs(policy, draft, prompts: list[list[int]], spec_cfg) -> dict:
             "verify_tokens": n_verify}
 
 
-def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
-                chain_gamma: int = 4, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
-                prompts_per_batch: int = 3, temperature: float = 0.0) -> dict:
-    """Plain, chain and tree decoding at each batch size, all in one process, plus the measured
-    parts of the speed-up bound: accept length, per-token acceptance, draft cost c, verify cost."""
-    from rollout.speculative import SpecConfig, Speculator
+def measure_speculation(policy, draft, prompts, params, batch: int, spec_cfg, plain: dict, repeats: int = 3) -> dict:
+    """One speculative configuration at one batch size against a plain run on the same prompts:
+    tokens/s, speed-up, accept length, alpha, measured costs and the DESIGN section 4 bound."""
+    from rollout.speculative import Speculator
+
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=batch), speculator=Speculator(draft, spec_cfg))
+    r = timed_generate(engine, prompts, params, repeats=repeats)
+    same = [t.token_ids for t in r["trajectories"]] == [t.token_ids for t in plain["trajectories"]]
+    agg = summarize_spec_stats(t.spec for t in r["trajectories"])
+    costs = step_costs(policy, draft, prompts[:batch], spec_cfg)
+    bound = agg["accept_length"] / (costs["verify_cost"] + spec_cfg.gamma * costs["c"])
+    speedup = r["tokens_per_s"] / plain["tokens_per_s"]
+    return {"batch": batch, "mode": spec_cfg.mode, "gamma": spec_cfg.gamma,
+            "tree_budget": spec_cfg.tree_budget if spec_cfg.mode == "tree" else None,
+            "tokens_per_s": r["tokens_per_s"], "speedup": speedup, "accept_length": agg["accept_length"],
+            "alpha": agg["accept_rate"], "c": costs["c"], "verify_cost": costs["verify_cost"],
+            "verify_tokens": costs["verify_tokens"], "bound": bound, "efficiency": speedup / bound,
+            "identical_to_plain": same}
+
+
+def format_row(row: dict) -> str:
+    if row["mode"] == "plain":
+        return f"batch {row['batch']:>3} plain: {row['tokens_per_s']:8.1f} tok/s"
+    tag = f"{row['mode']} g={row['gamma']}" + (f" n={row['tree_budget']}" if row.get("tree_budget") else "")
+    return (f"batch {row['batch']:>3} {tag:>14}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
+            f"tau {row['accept_length']:.2f}  alpha {row['alpha']:.2f}  c {row['c']:.2f}  verify {row['verify_cost']:.2f}  "
+            f"bound {row['bound']:.2f}  eff {row['efficiency']:.2f}")
+
+
+def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperature: float):
+    """The policy, its cached offline draft, sampling params and a prompt maker for speed runs."""
     from specrl.drafts import DraftTrainConfig, cached_offline_draft
 
     preset = get_preset(preset_name)
@@ -142,37 +164,44 @@ def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *
                                     (tokenizer.eos_id,), cache_dir)
     # replace() re-runs SamplingParams validation, so a bad --temperature is refused
     params = dataclasses.replace(rollout_params(preset, tokenizer, seed), temperature=temperature)
-    modes = {"chain": SpecConfig(mode="chain", gamma=chain_gamma),
-             "tree": SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)}
-    rows = []
-    for b in batches:
-        prompts = encode_prompts(tokenizer, task.examples("heldout", b * prompts_per_batch, seed))
-        plain = timed_generate(EmbeddedEngine(policy, EngineConfig(max_batch=b)), prompts, params, repeats=3)
-        rows.append({"batch": b, "mode": "plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0})
-        for mode, scfg in modes.items():
-            engine = EmbeddedEngine(policy, EngineConfig(max_batch=b), speculator=Speculator(draft, scfg))
-            r = timed_generate(engine, prompts, params, repeats=3)
-            same = [t.token_ids for t in r["trajectories"]] == [t.token_ids for t in plain["trajectories"]]
-            stats = [t.spec for t in r["trajectories"]]
-            verify = sum(s.verify_steps for s in stats)
-            accept_length = (sum(s.accepted for s in stats) + verify) / max(1, verify)
-            alpha = sum(s.accepted for s in stats) / max(1, sum(s.drafted for s in stats))
-            costs = step_costs(policy, draft, prompts[:b], scfg)
-            bound = accept_length / (costs["verify_cost"] + scfg.gamma * costs["c"])
-            speedup = r["tokens_per_s"] / plain["tokens_per_s"]
-            rows.append({"batch": b, "mode": mode, "tokens_per_s": r["tokens_per_s"], "speedup": speedup,
-                         "accept_length": accept_length, "alpha": alpha, "gamma": scfg.gamma, "c": costs["c"],
-                         "verify_cost": costs["verify_cost"], "verify_tokens": costs["verify_tokens"],
-                         "bound": bound, "efficiency": speedup / bound, "identical_to_plain": same})
-        for row in rows[-3:]:
-            extra = "" if row["mode"] == "plain" else (
-                f"  tau {row['accept_length']:.2f}  alpha {row['alpha']:.2f}  c {row['c']:.2f}  "
-                f"verify {row['verify_cost']:.2f}  bound {row['bound']:.2f}  eff {row['efficiency']:.2f}")
-            print(f"batch {b:>3} {row['mode']:>5}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}{extra}")
-    rows = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows]
-    summary = {"benchmark": "speed", "task": task_name, "preset": preset_name, "temperature": temperature,
-               "rows": rows, "machine": machine_info()}
+
+    def prompts_for(n: int):
+        return encode_prompts(tokenizer, task.examples("heldout", n, seed))
+
+    return policy, draft, params, prompts_for
+
+
+def plain_row(policy, prompts, params, batch: int, repeats: int = 3) -> tuple[dict, dict]:
+    plain = timed_generate(EmbeddedEngine(policy, EngineConfig(max_batch=batch)), prompts, params, repeats=repeats)
+    return plain, {"batch": batch, "mode": "plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0}
+
+
+def save_summary(out_dir, summary: dict) -> dict:
+    summary["rows"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in summary["rows"]]
+    summary["machine"] = machine_info()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
+                chain_gamma: int = 4, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
+                prompts_per_batch: int = 3, temperature: float = 0.0) -> dict:
+    """Plain, chain and tree decoding at each batch size, all in one process, plus the measured
+    parts of the speed-up bound: accept length, per-token acceptance, draft cost c, verify cost."""
+    from rollout.speculative import SpecConfig
+
+    policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
+    modes = [SpecConfig(mode="chain", gamma=chain_gamma),
+             SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)]
+    rows = []
+    for b in batches:
+        prompts = prompts_for(b * prompts_per_batch)
+        plain, row = plain_row(policy, prompts, params, b)
+        rows.append(row)
+        rows.extend(measure_speculation(policy, draft, prompts, params, b, scfg, plain) for scfg in modes)
+        for row in rows[-3:]:
+            print(format_row(row))
+    return save_summary(out_dir, {"benchmark": "speed", "task": task_name, "preset": preset_name,
+                                  "temperature": temperature, "rows": rows})

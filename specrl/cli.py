@@ -41,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
+
+    p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
+    _add_common(p)
+    p.add_argument("--no-progress", action="store_true")
+    p = sub.add_parser("speed", help="speed sweeps over batch size, chain length and tree budget, with the bound")
+    _add_common(p)
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--gammas", default="1,2,4,6", help="chain lengths")
+    p.add_argument("--tree-budgets", default="4,8,16", help="draft tokens per tree")
+    p.add_argument("--temperature", type=float, default=1.0)
     return parser
 
 
@@ -77,6 +87,18 @@ def run(args: argparse.Namespace) -> dict:
 
         return bench_speed(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+    if args.command == "drift":
+        from experiments.drift import run_drift
+
+        return run_drift(args.preset, args.out, seed=args.seed, task=args.task, cache_dir=args.cache_dir,
+                         progress=not args.no_progress)
+    if args.command == "speed":
+        from experiments.speed import run_speed
+
+        return run_speed(args.out, preset=args.preset, task=args.task, batches=_positive_ints(args.batches, "--batches"),
+                         gammas=_positive_ints(args.gammas, "--gammas"),
+                         tree_budgets=_positive_ints(args.tree_budgets, "--tree-budgets"),
+                         temperature=args.temperature, seed=args.seed, cache_dir=args.cache_dir)
     raise ValueError(f"unknown command {args.command!r}")
 
 

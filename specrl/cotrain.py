@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.protocol import summarize_spec_stats
 from rollout.speculative import SpecConfig, Speculator
 from specrl.buffer import FeatureBuffer
 from specrl.controller import ControllerConfig, SpeculationController
@@ -127,21 +128,12 @@ class SpecCoTrainer:
         """Acceptance statistics of a rollout batch (and its features, for the engine source)."""
         if not self.enabled:
             return {}
-        stats = [t.spec for t in trajectories if t.spec is not None]
-        verify = sum(s.verify_steps for s in stats)
-        accepted = sum(s.accepted for s in stats)
-        drafted = sum(s.drafted for s in stats)
-        depth = max((len(s.drafted_per_pos) for s in stats), default=0)
-        per_pos = []
-        for d in range(depth):
-            n = sum(s.drafted_per_pos[d] for s in stats if len(s.drafted_per_pos) > d)
-            a = sum(s.accepted_per_pos[d] for s in stats if len(s.accepted_per_pos) > d)
-            per_pos.append(a / n if n else 0.0)
+        agg = summarize_spec_stats(t.spec for t in trajectories)
         self._rollout_metrics = {
-            "rollout/spec_accept_length": (accepted + verify) / verify if verify else 0.0,
-            "rollout/spec_accept_rate": accepted / drafted if drafted else 0.0,
-            "rollout/spec_verify_steps": verify,
-            "rollout/spec_accept_rate_per_pos": per_pos,
+            "rollout/spec_accept_length": agg["accept_length"],
+            "rollout/spec_accept_rate": agg["accept_rate"],
+            "rollout/spec_verify_steps": agg["verify_steps"],
+            "rollout/spec_accept_rate_per_pos": agg["accept_rate_per_pos"],
             "rollout/spec_faults": len(self.speculator.faults),
         }
         if self.capture_engine_features:

@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rollout.speculative import SpecConfig
+from specrl.cotrain import CoTrainConfig
 from specrl.drafts import DraftTrainConfig
 from target_training.config import require_positive
 from target_training.grpo import GRPOConfig
@@ -30,8 +31,9 @@ class RunPreset:
     checkpoint_every: int = 5
     max_batch: int = 64
     task_kwargs: dict = field(default_factory=dict)
-    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", gamma=4))
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
+    # speculation and online draft training for --spec frozen|online (mode and seed are set per run)
+    cotrain: CoTrainConfig = field(default_factory=lambda: CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4)))
 
     def __post_init__(self) -> None:
         require_positive(self, ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",

@@ -6,9 +6,11 @@ and ckpt/ (the latest resumable state).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -103,18 +105,51 @@ def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed:
         return SpecCoTrainer(None, CoTrainConfig(mode="off"))
     prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
     draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log)
-    return SpecCoTrainer(draft, CoTrainConfig(mode=mode, spec=preset.spec, seed=seed))
+    return SpecCoTrainer(draft, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
 
 
-def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int = 0, resume: bool = False,
-             steps: int | None = None, cache_dir: Path | None = None, progress: bool = True, spec: str = "off",
-             log=print) -> dict:
+@dataclass
+class RLRun:
+    """What a `train_rl` callback sees: the live objects of the run."""
+    preset: RunPreset
+    seed: int
+    out: Path
+    cache_dir: Path
+    tokenizer: object
+    task: object
+    policy: torch.nn.Module
+    engine: EmbeddedEngine
+    trainer: GRPOTrainer
+    cotrain: SpecCoTrainer
+
+
+class RLCallback:
+    """Extension points of `train_rl`; override what you need. Time spent here is outside the
+    RL step's measured wall time (`step_s`)."""
+
+    def on_start(self, run: RLRun) -> None:  # after the start evaluation, before step 0
+        pass
+
+    def on_step_end(self, run: RLRun, step: int, row: dict) -> None:  # after the step is logged
+        pass
+
+    def on_end(self, run: RLRun, summary: dict) -> None:  # after summary.json is written
+        pass
+
+
+def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int = 0,
+             resume: bool = False, steps: int | None = None, cache_dir: Path | None = None, progress: bool = True,
+             spec: str = "off", callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
     t_start = time.perf_counter()
-    preset = get_preset(preset_name).with_overrides(rl_steps=steps)
+    if isinstance(preset_name, RunPreset):  # experiments pass a tuned preset directly
+        preset, preset_name = preset_name, "custom"
+    else:
+        preset = get_preset(preset_name)
+    preset = preset.with_overrides(rl_steps=steps)
     out = Path(out_dir)
     prepare_run_dir(out, resume)
     torch.manual_seed(seed)
-    cache_dir = cache_dir or default_cache_dir()
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
     trainer = GRPOTrainer(policy, preset.grpo)
@@ -135,6 +170,9 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
     if eval_start is None:
         eval_start = evaluate(engine, task, tokenizer, heldout, preset, seed)
     log(f"[rl] held-out reward at start: {eval_start['reward']:.3f} (greedy accuracy {eval_start['greedy_accuracy']:.3f})")
+    run = RLRun(preset, seed, out, cache_dir, tokenizer, task, policy, engine, trainer, cotrain)
+    for cb in callbacks:
+        cb.on_start(run)
 
     bar = tqdm(range(start_step, preset.rl_steps), desc="grpo", disable=not progress, initial=start_step,
                total=preset.rl_steps)
@@ -160,6 +198,8 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
             save_checkpoint(out / "ckpt", policy, policy.cfg, optimizer=None,
                             state={"trainer": trainer.state_dict(), "torch_rng": torch.get_rng_state(),
                                    "eval_start": eval_start, "cotrain": cotrain.state_dict()})
+        for cb in callbacks:
+            cb.on_step_end(run, step, row)
 
     eval_end = evaluate(engine, task, tokenizer, heldout, preset, seed)
     summary = {"task": task_name, "preset": preset_name, "seed": seed, "spec": spec, "rl_steps": preset.rl_steps,
@@ -168,9 +208,11 @@ def train_rl(task_name: str, preset_name: str, out_dir: str | Path, *, seed: int
                "eval_prompts": len(heldout), "eval_samples_per_prompt": preset.eval_samples,
                "sft_cached": sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    for cb in callbacks:
+        cb.on_end(run, summary)
     log(f"[rl] held-out reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f} "
         f"({summary['wall_s']:.0f}s)")
     return summary
 
 
-__all__ = ["train_rl", "RunDirError", "CheckpointError"]
+__all__ = ["train_rl", "RLRun", "RLCallback", "RunDirError", "CheckpointError"]

@@ -1,0 +1,273 @@
+"""The drift experiment: does speculative decoding stay fast while RL moves the policy?
+
+One GRPO run (`specrl.train_rl.train_rl`, with online speculation, so its rollouts are the
+co-trained engine's) and, at evaluation points, four arms decoding the *same* held-out prompts
+with the *current* policy:
+
+  plain      no speculation (the yardstick for speed-up)
+  frozen     the starting offline draft, never updated
+  online     the draft specrl co-trains during the run (the engine's hot-swapped copy)
+  reference  a draft retrained offline on the current policy (an upper bound; end of run)
+
+Decoding is sampled at the rollout temperature with counter-based noise, so every arm emits
+exactly the same tokens (speculation is lossless) and only accept length and speed differ.
+Drift is measured as the policy's token-level KL from its starting point on plain's samples.
+
+Outputs in DIR: metrics.jsonl (a row per evaluation point and arm), summary.json, rl/ (the RL
+run's own metrics.jsonl and checkpoint) and the PNG plots of `experiments.plots`.
+
+Reproducibility: draft training runs a fixed number of updates per RL step (its time budget
+is set so it never binds), so with one seed every field of summary.json is byte-identical
+across runs on CPU except those listed in its `timing_fields` (wall-clock measurements).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import summarize_spec_stats
+from rollout.speculative import SpecConfig, Speculator
+from specrl.bench import machine_info, timed_generate
+from specrl.cotrain import CoTrainConfig
+from specrl.drafts import train_offline_draft
+from specrl.online_trainer import OnlineDraftConfig
+from specrl.presets import RL_PRESETS, RunPreset
+from specrl.scheduler import SchedulerConfig
+from specrl.train_rl import RLCallback, RLRun, encode_prompts, rollout_params, train_rl
+from target_training.config import require_positive
+from target_training.grpo import pack_batch
+
+ARMS = ("plain", "frozen", "online", "reference")
+# fields of summary.json that come from the wall clock and differ between runs of one seed
+TIMING_FIELDS = ("speedup_frozen_start", "speedup_frozen_end", "speedup_online_end", "speedup_reference_end",
+                 "speedup_vs_batch", "plain_tokens_per_s_end", "draft_train_fraction", "rl_step_s", "wall_s")
+
+
+class DriftError(ValueError):
+    pass
+
+
+@dataclass
+class DriftPreset:
+    rl: RunPreset  # the GRPO run (model, SFT, task and its drift-inducing reward, steps)
+    eval_every: int = 10  # RL steps between evaluation points (plus step 0 and the end)
+    eval_prompts: int = 32
+    eval_batch: int = 32
+    timing_repeats: int = 2
+    reference_at: str = "end"  # "end" or "every": when to retrain the reference draft
+    speed_batches: tuple[int, ...] = (1, 4, 16, 64)  # the end-of-run speed-up vs batch size sweep
+
+    def __post_init__(self) -> None:
+        require_positive(self, ("eval_every", "eval_prompts", "eval_batch", "timing_repeats"), DriftError)
+        if self.reference_at not in ("end", "every"):
+            raise DriftError(f"reference_at must be 'end' or 'every', got {self.reference_at!r}")
+        if not self.speed_batches or any(b <= 0 for b in self.speed_batches):
+            raise DriftError(f"speed_batches must be positive batch sizes, got {self.speed_batches}")
+
+
+def _drift_rl(base: str, **kw) -> RunPreset:
+    return dataclasses.replace(RL_PRESETS[base], **kw)
+
+
+# The co-training settings of the drift runs: a fixed number of draft updates per RL step (so runs
+# are reproducible), with the time budget left wide so it never cuts a burst short.
+_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), feature_source="trainer", max_draft_steps=2,
+                         recent_versions=4, online=OnlineDraftConfig(lr=1e-3, batch_size=16),
+                         scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",)))
+
+DRIFT_PRESETS: dict[str, DriftPreset] = {
+    "ci": DriftPreset(rl=_drift_rl("ci", rl_steps=4, task_kwargs={"format_bonus": 0.5, "bonus_rule": "format"},
+                                   cotrain=_COTRAIN),
+                      eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8)),
+    "quick": DriftPreset(rl=_drift_rl("drift", cotrain=_COTRAIN), eval_every=10),
+    "full": DriftPreset(rl=_drift_rl("full", task_kwargs={"format_bonus": 0.5, "bonus_rule": "format"},
+                                     cotrain=_COTRAIN), eval_every=20, eval_prompts=64, eval_batch=64),
+}
+
+
+def get_drift_preset(name: str) -> DriftPreset:
+    if name not in DRIFT_PRESETS:
+        raise DriftError(f"unknown drift preset {name!r}; choose from {sorted(DRIFT_PRESETS)}")
+    return DRIFT_PRESETS[name]
+
+
+@torch.no_grad()
+def policy_kl(policy, start_policy, trajectories, temperature: float) -> float:
+    """Mean over response tokens of KL(current || start), exact over the vocabulary, at the
+    current policy's own samples (both at the sampling temperature)."""
+    batch = pack_batch(trajectories)
+    ids, mask = batch["input_ids"], batch["response_mask"][:, 1:]
+    lp = (policy(ids).logits[:, :-1].float() / temperature).log_softmax(-1)  # (B, T-1, V)
+    lq = (start_policy(ids).logits[:, :-1].float() / temperature).log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)  # (B, T-1)
+    return float((kl * mask).sum() / mask.sum().clamp(min=1))
+
+
+class DriftEvaluator(RLCallback):
+    """Evaluates the four arms at step 0, every `eval_every` steps and at the end of the run."""
+
+    def __init__(self, preset: DriftPreset, out: Path, log=print):
+        self.preset, self.out, self.log = preset, out, log
+        self.rows: list[dict] = []
+        self.frozen_draft = self.start_policy = self.prompts = None
+        self.reference_draft = None
+        self.speed_rows: list[dict] = []
+
+    # -- callbacks ---------------------------------------------------------------------------
+    def on_start(self, run: RLRun) -> None:
+        self.start_policy = copy.deepcopy(run.policy).eval()
+        self.frozen_draft = copy.deepcopy(run.cotrain.speculator.draft)
+        examples = run.task.examples("heldout", self.preset.eval_prompts, run.seed + 11)
+        self.prompts = encode_prompts(run.tokenizer, examples)
+        self.evaluate(run, step=0)
+
+    def on_step_end(self, run: RLRun, step: int, row: dict) -> None:
+        done = step + 1
+        if done % self.preset.eval_every == 0 and done != run.preset.rl_steps:
+            self.evaluate(run, step=done)
+
+    def on_end(self, run: RLRun, summary: dict) -> None:
+        self.evaluate(run, step=run.preset.rl_steps, final=True)
+        self.speed_rows = self.speed_vs_batch(run)
+
+    # -- measurement -------------------------------------------------------------------------
+    def drafts(self, run: RLRun, final: bool) -> dict:
+        arms = {"plain": None, "frozen": self.frozen_draft, "online": run.cotrain.speculator.draft}
+        if final or self.preset.reference_at == "every":
+            self.reference_draft = self.train_reference(run)
+            arms["reference"] = self.reference_draft
+        return arms
+
+    def train_reference(self, run: RLRun):
+        cfg = run.preset.draft
+        prompts = encode_prompts(run.tokenizer, run.task.examples("train", cfg.n_sequences, run.seed + 7))
+        draft, _ = train_offline_draft(run.policy, prompts, cfg, (run.tokenizer.eos_id,), log=lambda *_: None)
+        return draft
+
+    def evaluate(self, run: RLRun, step: int, final: bool = False) -> None:
+        run.policy.eval()
+        params = rollout_params(run.preset, run.tokenizer, run.seed)
+        spec = run.preset.cotrain.spec
+        plain_out = None
+        for arm, draft in self.drafts(run, final).items():
+            speculator = Speculator(draft, spec) if draft is not None else None
+            engine = EmbeddedEngine(run.policy, EngineConfig(max_batch=self.preset.eval_batch), speculator=speculator)
+            timing = timed_generate(engine, self.prompts, params, repeats=self.preset.timing_repeats)
+            trajs = timing["trajectories"]  # every repeat emits the same tokens with the same statistics
+            row = {"step": step, "arm": arm, "tokens": sum(len(t.token_ids) for t in trajs),
+                   "tokens_per_s": timing["tokens_per_s"]}
+            if arm == "plain":
+                plain_out = {"trajs": trajs, "tokens_per_s": timing["tokens_per_s"]}
+                row["kl_from_start"] = policy_kl(run.policy, self.start_policy, trajs, params.temperature)
+                row["mean_response_len"] = row["tokens"] / len(trajs)
+            else:
+                same = [t.token_ids for t in trajs] == [t.token_ids for t in plain_out["trajs"]]
+                if not same:  # losslessness is the premise of every number here
+                    raise RuntimeError(f"arm {arm!r} changed the generated tokens at step {step}")
+                agg = summarize_spec_stats(t.spec for t in trajs)
+                row.update(accept_length=agg["accept_length"], accept_rate=agg["accept_rate"],
+                           accept_rate_per_pos=agg["accept_rate_per_pos"], speedup=timing["tokens_per_s"] / plain_out["tokens_per_s"])
+            self.rows.append(row)
+        self._log_point(step)
+
+    def speed_vs_batch(self, run: RLRun) -> list[dict]:
+        """Speed-up of each draft over plain decoding at several batch sizes, final policy."""
+        params = rollout_params(run.preset, run.tokenizer, run.seed)
+        arms = {"plain": None, "frozen": self.frozen_draft, "online": run.cotrain.speculator.draft,
+                "reference": self.reference_draft}
+        rows = []
+        for b in self.preset.speed_batches:
+            prompts = (self.prompts * (1 + (2 * b) // len(self.prompts)))[: max(2 * b, 4)]
+            base = None
+            for arm, draft in arms.items():
+                spec = Speculator(draft, run.preset.cotrain.spec) if draft is not None else None
+                r = timed_generate(EmbeddedEngine(run.policy, EngineConfig(max_batch=b), speculator=spec), prompts,
+                                   params, repeats=self.preset.timing_repeats)
+                base = base or r["tokens_per_s"]
+                rows.append({"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"],
+                             "speedup": r["tokens_per_s"] / base})
+        return rows
+
+    def _log_point(self, step: int) -> None:
+        pts = [r for r in self.rows if r["step"] == step]
+        parts = [f"{r['arm']} tau {r['accept_length']:.2f} x{r['speedup']:.2f}" for r in pts if r["arm"] != "plain"]
+        kl = next(r["kl_from_start"] for r in pts if r["arm"] == "plain")
+        self.log(f"[drift] step {step:>3}: KL {kl:.3f}  " + "  ".join(parts))
+
+
+def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, seed: int, wall_s: float) -> dict:
+    rows = evaluator.rows
+    last_step = max(r["step"] for r in rows)
+
+    def at(step, arm, key):
+        return next(r[key] for r in rows if r["step"] == step and r["arm"] == arm)
+
+    draft_s = sum(r.get("perf/draft_train_s", 0.0) + r.get("perf/draft_sync_s", 0.0) for r in rl_rows)
+    step_s = sum(r["step_s"] for r in rl_rows)
+    summary = {
+        "seed": seed, "rl_steps": rl_summary["rl_steps"],
+        "tau_start": at(0, "frozen", "accept_length"),
+        "tau_frozen_end": at(last_step, "frozen", "accept_length"),
+        "tau_online_end": at(last_step, "online", "accept_length"),
+        "tau_reference_end": at(last_step, "reference", "accept_length"),
+        "reward_start": rl_summary["reward_start"], "reward_end": rl_summary["reward_end"],
+        "kl_end": at(last_step, "plain", "kl_from_start"),
+        "response_len_start": at(0, "plain", "mean_response_len"),
+        "response_len_end": at(last_step, "plain", "mean_response_len"),
+        # wall-clock fields (TIMING_FIELDS): not reproducible bit for bit
+        "speedup_frozen_start": at(0, "frozen", "speedup"),
+        "speedup_frozen_end": at(last_step, "frozen", "speedup"),
+        "speedup_online_end": at(last_step, "online", "speedup"),
+        "speedup_reference_end": at(last_step, "reference", "speedup"),
+        "speedup_vs_batch": evaluator.speed_rows,
+        "plain_tokens_per_s_end": at(last_step, "plain", "tokens_per_s"),
+        "draft_train_fraction": draft_s / max(step_s, 1e-9),
+        "rl_step_s": step_s / max(1, len(rl_rows)),
+        "wall_s": wall_s,
+        "timing_fields": list(TIMING_FIELDS),
+        "machine": machine_info(),
+    }
+    return summary
+
+
+def deterministic_part(summary: dict) -> dict:
+    """The fields of a summary that one seed reproduces exactly."""
+    return {k: v for k, v in summary.items() if k not in TIMING_FIELDS and k not in ("timing_fields", "machine")}
+
+
+def run_drift(preset_name: str, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
+              progress: bool = True, plots: bool = True, log=print) -> dict:
+    t0 = time.perf_counter()
+    preset = get_drift_preset(preset_name)
+    out = Path(out_dir)
+    if (out / "summary.json").exists() or (out / "rl").exists():
+        raise DriftError(f"output folder {out} already holds a drift run; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    evaluator = DriftEvaluator(preset, out, log=log)
+    rl_summary = train_rl(task, preset.rl, out / "rl", seed=seed, cache_dir=cache_dir, progress=progress,
+                          spec="online", callbacks=(evaluator,), log=log)
+    rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line]
+    with open(out / "metrics.jsonl", "w") as f:
+        for row in evaluator.rows:
+            f.write(json.dumps(row) + "\n")
+    summary = summarize(evaluator, rl_rows, rl_summary, seed, time.perf_counter() - t0)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    if plots:
+        from experiments.plots import drift_plots
+        drift_plots(out)
+    log(f"[drift] tau start {summary['tau_start']:.3f}; end: frozen {summary['tau_frozen_end']:.3f}, online "
+        f"{summary['tau_online_end']:.3f}, reference {summary['tau_reference_end']:.3f}; speed-up end: frozen "
+        f"x{summary['speedup_frozen_end']:.2f}, online x{summary['speedup_online_end']:.2f}; KL {summary['kl_end']:.3f}; "
+        f"{summary['wall_s']:.0f}s")
+    return summary
+
+
+__all__ = ["run_drift", "DriftPreset", "DRIFT_PRESETS", "DriftEvaluator", "policy_kl", "deterministic_part",
+           "TIMING_FIELDS", "DriftError", "ARMS"]

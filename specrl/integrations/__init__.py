@@ -1,0 +1,1 @@
+"""Adapters that plug specrl into host RL pipelines (slime, veRL, TRL)."""

@@ -1,0 +1,401 @@
+"""specrl inside slime (THUDM/slime; Miles uses the same hook names): online EAGLE-3 training.
+
+Why: slime already runs SGLang with a speculative draft (`--sglang-speculative-*`), and its
+Megatron trainer already runs a log-prob forward over every rollout sequence. That forward
+computes the three target layers EAGLE-3 reads, so the draft's training features cost a copy,
+not a forward pass. This module wires the pieces through slime's documented plug-in points only:
+
+  --custom-generate-function-path specrl.integrations.slime.generate
+      async generate(args, sample, sampling_params) -> Sample: posts to the SGLang router, fills
+      tokens / response / rollout_log_probs / status and `sample.spec_info` (slime's
+      spec_accept_token_num / spec_draft_token_num / spec_verify_ct / completion_token_num),
+      read with `rollout.sglang_engine.parse_spec_meta` whatever the SGLang version.
+  --custom-megatron-init-path specrl.integrations.slime.megatron_init
+      custom_init(args): reads the JSON config named by $SPECRL_SLIME_CONFIG (SlimeSpecConfig).
+  --custom-megatron-before-log-prob-hook-path specrl.integrations.slime.before_log_prob_hook
+      custom_hook(args, model, store_prefix): arms forward hooks on the three tap layers of the
+      GPTModel's `decoder.layers` for the actor's own pass (store_prefix "" by default; the
+      reference model's "ref_" pass is skipped: its features describe the wrong target).
+  --custom-megatron-before-train-step-hook-path specrl.integrations.slime.before_train_step_hook
+      custom_hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler): at step 0 of
+      each rollout, moves the captured features into a `specrl.buffer.FeatureBuffer`, trains the
+      draft with `specrl.online_trainer.OnlineDraftTrainer` within a time budget, and pushes it to
+      every SGLang engine with `rollout.sglang_engine.SGLangEngine.push_draft`.
+
+The policy sync itself is slime's: it must reach the target runner only (SGLang's
+`disable_draft_model`), see docs/integrations/slime.md. A draft-side failure is caught, counted
+and warned about; the RL step goes on (DESIGN.md section 1).
+
+Field and signature sources: slime `slime/utils/types.py` (Sample, Sample.SpecInfo) and
+`docs/en/get_started/customization.md` (hook signatures) at THUDM/slime commit
+0d234f3e3a83c81b7d37209994e0b994deacbb24; `model(input_ids=..., packed_seq_params=...)` and the
+hook call order from slime's `megatron_utils` log-prob forward.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import time
+import urllib.request
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import torch
+
+from draft_models.checkpoint import load_draft
+from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, parse_spec_meta, tokens_and_logprobs
+from specrl.buffer import FeatureBuffer
+from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
+from target_training.config import MoEConfig
+
+CONFIG_ENV = "SPECRL_SLIME_CONFIG"
+# Field names of slime's Sample.SpecInfo (the commit named in the module docstring).
+SPEC_INFO_FIELDS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_token_num")
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout side: the custom generate function
+# ---------------------------------------------------------------------------------------------
+def spec_info_delta(meta_info: Mapping) -> dict:
+    """One response's counters in slime's SpecInfo shape (zeros when SGLang did not speculate)."""
+    stats = parse_spec_meta(meta_info)
+    completion = int(meta_info.get("completion_tokens") or 0)
+    if stats is None:
+        return dict.fromkeys(SPEC_INFO_FIELDS, 0) | {"completion_token_num": completion}
+    return {"spec_accept_token_num": stats.accepted, "spec_draft_token_num": stats.drafted,
+            "spec_verify_ct": stats.verify_steps, "completion_token_num": completion}
+
+
+def add_spec_info(sample, meta_info: Mapping) -> None:
+    """Accumulate into sample.spec_info (added, not replaced: partial rollouts resume a sample)."""
+    for k, v in spec_info_delta(meta_info).items():
+        setattr(sample.spec_info, k, getattr(sample.spec_info, k) + v)
+
+
+_TOKENIZER = None
+
+
+def register_tokenizer(tokenizer) -> None:
+    """Use this tokenizer for sample.prompt (default: transformers AutoTokenizer of args.hf_checkpoint)."""
+    global _TOKENIZER
+    _TOKENIZER = tokenizer
+
+
+def _prompt_ids(args, sample) -> list[int]:
+    if sample.tokens:
+        return list(sample.tokens)
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from transformers import AutoTokenizer  # lazy: only slime's own environment has it
+
+        _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
+    if not isinstance(sample.prompt, str):
+        raise ValueError("specrl's generate takes text prompts or pre-tokenized sample.tokens")
+    return list(_TOKENIZER.encode(sample.prompt, add_special_tokens=False))
+
+
+def _post_json(url: str, body: dict, timeout_s: float) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+        return json.loads(resp.read().decode())
+
+
+async def generate(args, sample, sampling_params: dict):
+    """slime's custom generate function: one SGLang /generate call through the router."""
+    status = type(sample).Status
+    if sample.status not in (status.PENDING, status.ABORTED):
+        raise ValueError(f"sample status is {sample.status}, expected PENDING or ABORTED")
+    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
+    ids = _prompt_ids(args, sample)
+    params = dict(sampling_params)
+    if sample.response_length:  # a resumed partial rollout: only the remaining budget
+        params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
+    if params["max_new_tokens"] <= 0:
+        sample.status = status.TRUNCATED
+        return sample
+    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+    out = await asyncio.to_thread(_post_json, url, body, float(getattr(args, "specrl_http_timeout_s", 600.0)))
+    meta = out.get("meta_info") or {}
+    new_ids, logps = tokens_and_logprobs(meta, out.get("output_ids"))
+    sample.tokens = ids + new_ids
+    sample.response = (sample.response or "") + (out.get("text") or "")
+    sample.response_length += len(new_ids)
+    sample.rollout_log_probs = (sample.rollout_log_probs or []) + logps
+    add_spec_info(sample, meta)
+    if "weight_version" in meta:
+        sample.weight_versions.append(meta["weight_version"])
+    kind = (meta.get("finish_reason") or {}).get("type")
+    sample.status = {"length": status.TRUNCATED, "abort": status.ABORTED, "stop": status.COMPLETED}.get(
+        kind, status.COMPLETED)
+    return sample
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer side: feature capture on Megatron's decoder layers
+# ---------------------------------------------------------------------------------------------
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's low/mid/high taps for an L-layer target, by the same rule as the MoE policy."""
+    return MoEConfig(num_layers=num_layers).feature_layer_ids
+
+
+def unwrap(chunk):
+    """The GPTModel inside DDP / Float16Module wrappers (each exposes the next as `.module`)."""
+    m = chunk
+    while not hasattr(m, "decoder") and hasattr(m, "module"):
+        m = m.module
+    if not hasattr(m, "decoder"):
+        raise ValueError(f"{type(chunk).__name__} holds no Megatron GPTModel (no .decoder)")
+    return m
+
+
+class FeatureTap:
+    """Forward hooks on the three tap layers of a Megatron GPTModel.
+
+    Megatron's TransformerLayer returns (hidden_states, context) with hidden_states
+    (seq, batch, hidden); slime's log-prob forward packs sequences into batch 1 and passes
+    `packed_seq_params.cu_seqlens_q`. While armed, every forward adds one record per packed
+    sequence: input_ids (T,), fused features (T, 3H) in half precision, and a loss mask (every
+    token but the first, or only the last `response_lengths[i]` tokens when given)."""
+
+    def __init__(self, gpt_model, layer_ids: Sequence[int], seq_first: bool = True,
+                 feature_dtype: torch.dtype = torch.float16):
+        self.model, self.layer_ids = gpt_model, tuple(int(i) for i in layer_ids)
+        self.seq_first, self.feature_dtype = seq_first, feature_dtype
+        layers = gpt_model.decoder.layers
+        by_id = {int(getattr(layer, "layer_number", i + 1)) - 1: layer for i, layer in enumerate(layers)}
+        missing = [i for i in self.layer_ids if i not in by_id]
+        if missing:
+            raise ValueError(f"tap layers {missing} are not on this rank (have {sorted(by_id)}); pipeline "
+                             f"parallelism must keep the three taps on one stage")
+        self.armed = False
+        self.records: list[dict] = []
+        self.response_lengths: list[int] | None = None
+        self._cursor = 0  # next entry of response_lengths
+        self._outs: dict[int, torch.Tensor] = {}
+        self._inputs: tuple | None = None
+        self._handles = [by_id[i].register_forward_hook(self._layer_hook(i)) for i in self.layer_ids]
+        self._handles.append(gpt_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
+        self._handles.append(gpt_model.register_forward_hook(self._post_hook))
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def set_response_lengths(self, lengths: Sequence[int] | None) -> None:
+        """Response lengths of the next captured sequences, in forward order (a trainer-side patch
+        that knows the batch can call this; slime's hook arguments do not carry it)."""
+        self.response_lengths = None if lengths is None else [int(n) for n in lengths]
+        self._cursor = 0
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _layer_hook(self, layer_id: int):
+        def hook(module, args, output):
+            if self.armed:
+                out = output[0] if isinstance(output, tuple) else output
+                self._outs[layer_id] = out.detach()
+        return hook
+
+    def _pre_hook(self, module, args, kwargs):
+        if self.armed:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            psp = kwargs.get("packed_seq_params")
+            self._inputs = (ids, getattr(psp, "cu_seqlens_q", None))
+            self._outs = {}
+
+    def _post_hook(self, module, args, output):
+        if not self.armed or self._inputs is None:
+            return
+        ids, cu = self._inputs
+        self._inputs = None
+        if len(self._outs) != len(self.layer_ids):
+            raise RuntimeError(f"feature tap saw layers {sorted(self._outs)} of {self.layer_ids} in one forward")
+        feats = torch.cat([self._outs[i] for i in self.layer_ids], dim=-1)
+        if self.seq_first:
+            feats = feats.transpose(0, 1)  # (batch, seq, 3H)
+        ids = ids.detach()
+        if cu is not None:
+            if ids.shape[0] != 1:
+                raise ValueError(f"packed sequences need batch 1, got input_ids {tuple(ids.shape)}")
+            bounds = [int(x) for x in cu.tolist()]
+            spans = [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        else:
+            spans = [(r, 0, ids.shape[1]) for r in range(ids.shape[0])]
+        for row, a, b in spans:
+            T = b - a
+            mask = torch.zeros(T, dtype=torch.bool)
+            if self.response_lengths is not None and self._cursor < len(self.response_lengths):
+                mask[T - min(T - 1, self.response_lengths[self._cursor]):] = True
+                self._cursor += 1
+            else:
+                mask[1:] = True
+            self.records.append({"input_ids": ids[row, a:b].cpu(), "loss_mask": mask,
+                                 "features": feats[row, a:b].to("cpu", self.feature_dtype), "target_logp": None})
+
+    def drain(self) -> list[dict]:
+        out, self.records = self.records, []
+        self.set_response_lengths(None)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# trainer side: configuration and the two Megatron hooks
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class SlimeSpecConfig:
+    draft_path: str  # the starting draft, SGLang layout (draft_models.checkpoint.save_draft)
+    engine_urls: list[str] = field(default_factory=list)  # each SGLang server (not the router)
+    tap_layer_ids: tuple[int, int, int] | None = None  # None: default_tap_layers(args.num_layers)
+    buffer_bytes: int = 256 << 20
+    online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
+    max_draft_steps: int = 32  # per rollout
+    time_budget_s: float = 30.0  # per rollout
+    min_buffer_records: int = 16
+    capture_prefixes: tuple[str, ...] = ("",)  # store_prefix of the actor's own log-prob pass
+    seq_first: bool = True
+    # Draft pushes: SGLangEngineConfig fields (see rollout/sglang_engine.py).
+    draft_route_flag: str | None = None
+    hold_shared_draft_names: bool = False
+    # HF names of the served target that a draft tensor name could hit (Llama/Qwen layout).
+    target_param_names: tuple[str, ...] = ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight")
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.online, Mapping):
+            self.online = OnlineDraftConfig(**self.online)
+        if self.tap_layer_ids is not None:
+            self.tap_layer_ids = tuple(int(i) for i in self.tap_layer_ids)
+            if len(self.tap_layer_ids) != 3:
+                raise ValueError(f"tap_layer_ids must name 3 layers, got {self.tap_layer_ids}")
+        self.capture_prefixes = tuple(self.capture_prefixes)
+        self.target_param_names = tuple(self.target_param_names)
+        if self.max_draft_steps < 0 or self.time_budget_s < 0 or self.min_buffer_records <= 0:
+            raise ValueError("SlimeSpecConfig: max_draft_steps and time_budget_s must be >= 0, "
+                             "min_buffer_records positive")
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike) -> "SlimeSpecConfig":
+        with open(path) as f:
+            d = json.load(f)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown SlimeSpecConfig keys {unknown}")
+        return cls(**d)
+
+
+class SlimeSpecRuntime:
+    """Per trainer process: the draft, its buffer and trainer, the tap, and the engine clients."""
+
+    def __init__(self, config: SlimeSpecConfig, args, model_chunks, engines=None):
+        self.config = cfg = config
+        gpt = unwrap(model_chunks[0])
+        emb = gpt.embedding.word_embeddings
+        layer_ids = cfg.tap_layer_ids or default_tap_layers(int(args.num_layers))
+        vocab = int(getattr(args, "padded_vocab_size", None) or getattr(args, "vocab_size", None) or emb.weight.shape[0])
+        if emb.weight.shape[0] != vocab:
+            raise ValueError(f"the embedding on this rank holds {emb.weight.shape[0]} of {vocab} rows (vocab-"
+                             f"parallel shard); specrl's draft needs the full embedding (tensor parallel 1)")
+        target = SimpleNamespace(embed_tokens=torch.nn.Embedding.from_pretrained(emb.weight.detach(), freeze=True),
+                                 cfg=SimpleNamespace(hidden_size=emb.weight.shape[1], vocab_size=vocab,
+                                                     feature_layer_ids=tuple(layer_ids)))
+        self.draft = load_draft(cfg.draft_path, target)  # shares the policy's embedding storage
+        self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed)
+        self.trainer = OnlineDraftTrainer(self.draft, cfg.online)
+        self.tap = FeatureTap(gpt, layer_ids, seq_first=cfg.seq_first)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        if engines is None:
+            engines = [SGLangEngine(SGLangEngineConfig(base_url=u, draft_route_flag=cfg.draft_route_flag,
+                                                       hold_shared_draft_names=cfg.hold_shared_draft_names))
+                       for u in cfg.engine_urls]
+        for e in engines:
+            if e.target_param_names is None:
+                e.target_param_names = set(cfg.target_param_names)
+        self.engines = engines
+        self.faults = 0
+        self.metrics: dict = {}
+
+    def on_log_prob(self, store_prefix: str) -> None:
+        if store_prefix in self.config.capture_prefixes:
+            self.tap.arm()
+        else:
+            self.tap.disarm()
+
+    def on_train_step(self, rollout_id: int, step_id: int) -> dict:
+        self.tap.disarm()
+        if step_id != 0:
+            return {}
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            stored = sum(self.buffer.add(r, int(rollout_id)) for r in self.tap.drain())
+            m = {"buffer/entries": len(self.buffer), "buffer/stored": stored}
+            if len(self.buffer) >= cfg.min_buffer_records and cfg.max_draft_steps > 0:
+                before = self.trainer.version
+                res = self.trainer.train_for(self.buffer, cfg.max_draft_steps, cfg.time_budget_s, self.generator)
+                m.update({"train/draft_loss": res["mean_loss"], "train/draft_steps": res["steps"],
+                          "perf/draft_train_s": res["seconds"]})
+                if self.trainer.version != before:
+                    t_sync = time.perf_counter()
+                    weights = self.trainer.export_weights()
+                    for e in self.engines:
+                        e.push_draft(weights, self.trainer.version)
+                    m["perf/draft_sync_time"] = time.perf_counter() - t_sync
+            m["train/draft_version"] = self.trainer.version
+        except Exception as err:  # never stop the RL run for the draft
+            self.faults += 1
+            warnings.warn(f"specrl draft step skipped ({type(err).__name__}: {err})", RuntimeWarning)
+            m = {}
+        m["train/draft_faults"] = self.faults
+        m["perf/draft_total_s"] = time.perf_counter() - t0
+        self.metrics = m
+        return m
+
+
+_STATE: dict = {"config": None, "runtime": None}
+
+
+def configure(config: SlimeSpecConfig | None, runtime: SlimeSpecRuntime | None = None) -> None:
+    """Set the configuration (and optionally a prebuilt runtime) for this process."""
+    _STATE["config"], _STATE["runtime"] = config, runtime
+
+
+def runtime() -> SlimeSpecRuntime | None:
+    return _STATE["runtime"]
+
+
+def megatron_init(args) -> None:
+    """--custom-megatron-init-path: read SlimeSpecConfig from the JSON file named by $SPECRL_SLIME_CONFIG."""
+    path = os.environ.get(CONFIG_ENV)
+    if not path:
+        raise ValueError(f"specrl.integrations.slime.megatron_init needs ${CONFIG_ENV} (a SlimeSpecConfig JSON file)")
+    configure(SlimeSpecConfig.from_json(path))
+
+
+def _runtime_for(args, model) -> SlimeSpecRuntime:
+    if _STATE["runtime"] is None:
+        if _STATE["config"] is None:
+            raise ValueError("specrl slime hooks are not configured: add --custom-megatron-init-path "
+                             "specrl.integrations.slime.megatron_init")
+        _STATE["runtime"] = SlimeSpecRuntime(_STATE["config"], args, model)
+    return _STATE["runtime"]
+
+
+def before_log_prob_hook(args, model, store_prefix) -> None:
+    """--custom-megatron-before-log-prob-hook-path (args, model, store_prefix)."""
+    _runtime_for(args, model).on_log_prob(store_prefix)
+
+
+def before_train_step_hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler) -> None:
+    """--custom-megatron-before-train-step-hook-path (args, rollout_id, step_id, model, optimizer,
+    opt_param_scheduler); draft work runs once per rollout, at step 0."""
+    _runtime_for(args, model).on_train_step(rollout_id, step_id)

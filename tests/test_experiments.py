@@ -1,0 +1,105 @@
+"""The drift experiment, the speed sweep and the analysis notebook, on CI-sized runs.
+
+The quick preset's numbers are measured by `specrl drift --preset quick` (README); here we check
+that the machinery produces every promised output, that one seed reproduces the summary exactly
+(apart from the documented timing fields) and that the notebook runs on a real output folder."""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from experiments.drift import TIMING_FIELDS, DriftError, deterministic_part, get_drift_preset, run_drift
+from specrl.cli import main
+
+REQUIRED = ("tau_start", "tau_frozen_end", "tau_online_end", "tau_reference_end", "speedup_frozen_end",
+            "speedup_online_end", "reward_start", "reward_end", "kl_end", "wall_s", "seed")
+PLOTS = ("accept_length.png", "speedup.png", "reward.png", "acceptance_heatmap.png", "speedup_vs_batch.png")
+
+
+@pytest.fixture(scope="session")
+def drift_runs(tmp_path_factory, sft_policy):
+    cache = sft_policy[3]
+    root = tmp_path_factory.mktemp("drift")
+    quiet = dict(cache_dir=cache, progress=False, log=lambda *a: None)
+    first = run_drift("ci", root / "a", seed=1, **quiet)
+    second = run_drift("ci", root / "b", seed=1, plots=False, **quiet)
+    return root, first, second
+
+
+def test_drift_outputs(drift_runs):
+    root, summary, _ = drift_runs
+    out = root / "a"
+    for key in REQUIRED:
+        assert key in summary, key
+    assert json.loads((out / "summary.json").read_text()) == summary
+    for name in PLOTS:
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    preset = get_drift_preset("ci")
+    steps = sorted({r["step"] for r in rows})
+    assert steps == list(range(0, preset.rl.rl_steps + 1, preset.eval_every))
+    for step in steps:  # every point has plain, frozen and online; the reference comes at the end
+        arms = {r["arm"] for r in rows if r["step"] == step}
+        assert {"plain", "frozen", "online"} <= arms
+    assert {r["arm"] for r in rows if r["step"] == steps[-1]} == {"plain", "frozen", "online", "reference"}
+    # one row per RL step in the RL run's own log, with the co-training metrics
+    rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rl_rows] == list(range(preset.rl.rl_steps))
+    assert all(r["train/draft_steps"] <= preset.rl.cotrain.max_draft_steps for r in rl_rows)
+    assert sum(r["train/draft_steps"] for r in rl_rows) > 0
+    # the policy moved, the frozen draft stayed put, the online draft was retrained
+    assert summary["kl_end"] > 0
+    assert 1.0 <= summary["tau_frozen_end"] <= 1.0 + preset.rl.cotrain.spec.gamma
+    assert summary["tau_online_end"] != summary["tau_frozen_end"]
+
+
+def test_drift_same_seed_same_summary(drift_runs):
+    _, first, second = drift_runs
+    a, b = deterministic_part(first), deterministic_part(second)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert set(first) - set(a) == set(TIMING_FIELDS) | {"timing_fields", "machine"}
+    assert first["timing_fields"] == list(TIMING_FIELDS)
+
+
+def test_drift_refuses_existing_output_and_bad_preset(drift_runs, tmp_path, capsys):
+    root, _, _ = drift_runs
+    with pytest.raises(DriftError, match="already holds a drift run"):
+        run_drift("ci", root / "a", progress=False)
+    assert main(["drift", "--preset", "huge", "--out", str(tmp_path / "x")]) == 2
+    assert "unknown drift preset" in capsys.readouterr().err
+
+
+def test_analysis_notebook_executes(drift_runs, tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    root, summary, _ = drift_runs
+    nb = nbformat.read(Path(__file__).parents[1] / "notebooks" / "analysis.ipynb", as_version=4)
+    os.environ["SPECRL_RUN"] = str(root / "a")
+    try:
+        nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                                resources={"metadata": {"path": str(Path(__file__).parents[1])}}).execute()
+    finally:
+        del os.environ["SPECRL_RUN"]
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert f"{summary['tau_start']:.3f}" in text
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) == len(PLOTS)
+
+
+def test_speed_sweep(sft_policy, tmp_path):
+    from experiments.speed import run_speed
+
+    summary = run_speed(tmp_path, preset="ci", batches=(2,), gammas=(1, 3), tree_budgets=(4,), repeats=1,
+                        prompts_per_batch=1, cache_dir=sft_policy[3], log=lambda *a: None)
+    spec = [r for r in summary["rows"] if r["mode"] != "plain"]
+    assert [(r["mode"], r["gamma"], r["tree_budget"]) for r in spec] == [("chain", 1, None), ("chain", 3, None),
+                                                                         ("tree", 4, 4)]
+    for r in spec:
+        assert r["identical_to_plain"]
+        assert 1.0 <= r["accept_length"] <= r["gamma"] + 1
+        assert r["bound"] == pytest.approx(r["accept_length"] / (r["verify_cost"] + r["gamma"] * r["c"]), rel=1e-3)
+    for name in ("speedup_vs_gamma.png", "speedup_vs_tree_budget.png", "speedup_vs_batch.png"):
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
