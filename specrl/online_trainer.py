@@ -41,6 +41,8 @@ class OnlineDraftConfig:
     max_grad_norm: float = 1.0
     prefer_rejected: float = 0.5  # sampling mix, see FeatureBuffer.sample
     weight_decay: float = 0.0
+    warmup_steps: int = 0  # linear lr warm-up over the first updates: a fresh AdamW's first steps are
+    # sign-like (size ~lr on every weight) and would knock a well-trained starting draft off its optimum
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -61,6 +63,8 @@ class OnlineDraftConfig:
                 bad(name, "must be a non-negative finite number")
         if not isinstance(self.prefer_rejected, (int, float)) or not 0.0 <= self.prefer_rejected <= 1.0:
             bad("prefer_rejected", "must lie in [0, 1]")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            bad("warmup_steps", "must be a non-negative integer")
 
 
 class OnlineDraftTrainer:
@@ -120,6 +124,9 @@ class OnlineDraftTrainer:
                     gnorm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.max_grad_norm))
                     ok = math.isfinite(gnorm)
                 if ok:
+                    scale = min(1.0, (self.counters["updates"] + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = cfg.lr * scale
                     self.optimizer.step()
                     self.version += 1
                     self.counters["updates"] += 1

@@ -43,10 +43,25 @@ class MoEConfig:
     tie_embeddings: bool = False
     # EAGLE-3 feature taps; empty means the default low/mid/high layers.
     aux_layer_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Architecture options of other model families (target_training.hf_adapter maps HF configs
+    # onto them). The defaults are this model's own design; `to_dict` leaves them out while they
+    # hold their defaults, so existing configs, checkpoints and cache keys are unchanged.
+    qk_norm: bool = True  # RMSNorm on q and k per head (Qwen3); False for Llama, Mixtral, Qwen2
+    attention_bias: bool = False  # bias on q/k/v (Qwen2 family, Llama's attention_bias)
+    attention_out_bias: bool = False  # bias on o_proj (Llama's attention_bias)
+    dense_layers: tuple[int, ...] = field(default_factory=tuple)  # more dense-SwiGLU layers (HF mlp_only_layers)
+    shared_expert_intermediate_size: int = 0  # > 0: a sigmoid-gated shared expert in every MoE layer (Qwen2-MoE)
+
+    _EXTENSIONS = ("qk_norm", "attention_bias", "attention_out_bias", "dense_layers", "shared_expert_intermediate_size")
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
+        self.dense_layers = tuple(sorted({int(i) for i in self.dense_layers}))
         self.validate()
+
+    def is_dense_layer(self, layer_id: int) -> bool:
+        """True where layer `layer_id` has a dense SwiGLU instead of the MoE."""
+        return (self.dense_first_layer and layer_id == 0) or layer_id in self.dense_layers
 
     def validate(self) -> None:
         positive = ["vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -58,9 +73,13 @@ class MoEConfig:
             raise ConfigError(f"MoEConfig.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         if self.head_dim % 2:
             raise ConfigError(f"MoEConfig.head_dim must be even for RoPE, got {self.head_dim}")
-        for i in self.aux_layer_ids:
-            if not 0 <= i < self.num_layers:
-                raise ConfigError(f"MoEConfig.aux_layer_ids has layer {i}, model has {self.num_layers} layers")
+        for name in ("aux_layer_ids", "dense_layers"):
+            for i in getattr(self, name):
+                if not 0 <= i < self.num_layers:
+                    raise ConfigError(f"MoEConfig.{name} has layer {i}, model has {self.num_layers} layers")
+        if isinstance(self.shared_expert_intermediate_size, bool) or self.shared_expert_intermediate_size < 0:
+            raise ConfigError(f"MoEConfig.shared_expert_intermediate_size must be >= 0, "
+                              f"got {self.shared_expert_intermediate_size!r}")
 
     @property
     def feature_layer_ids(self) -> tuple[int, int, int]:
@@ -84,6 +103,10 @@ class MoEConfig:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
+        d["dense_layers"] = list(self.dense_layers)
+        for name in self._EXTENSIONS:  # written only where they differ from the defaults
+            if getattr(self, name) == getattr(_DEFAULTS, name):
+                del d[name]
         return d
 
     @classmethod
@@ -99,6 +122,8 @@ class MoEConfig:
 
         return MoETransformer(self)
 
+
+_DEFAULTS = MoEConfig()
 
 PRESETS: dict[str, dict] = {
     # ~0.6M parameters: CI-sized, trains in seconds.

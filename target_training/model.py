@@ -131,12 +131,13 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.layer_id = layer_id
         self.n_heads, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_eps)  # Qwen3-style QK-norm keeps logits tame
-        self.k_norm = RMSNorm(self.hd, cfg.rms_eps)
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.hd, cfg.hidden_size, bias=cfg.attention_out_bias)
+        # Qwen3-style QK-norm keeps logits tame; other families (cfg.qk_norm False) have none
+        self.q_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.hd, cfg.rms_eps) if cfg.qk_norm else nn.Identity()
 
     def forward(self, x, cos, sin, block: CacheBlock | None, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -167,6 +168,8 @@ class MoE(nn.Module):
     """Top-k softmax router over SwiGLU experts, with the Switch-style load-balancing loss.
 
     Expert weights are stacked (E, out, in) so that export to HF/Megatron names is a slice.
+    With cfg.shared_expert_intermediate_size > 0, a shared SwiGLU expert scaled by a sigmoid
+    gate is added to every token's output (Qwen2-MoE).
     """
 
     def __init__(self, cfg: MoEConfig):
@@ -177,6 +180,9 @@ class MoE(nn.Module):
         self.w_gate = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
         self.w_up = nn.Parameter(torch.randn(E, I, H) * H ** -0.5)
         self.w_down = nn.Parameter(torch.randn(E, H, I) * I ** -0.5)
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = SwiGLU(H, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)
 
     def forward(self, x: torch.Tensor):
         B, T, H = x.shape
@@ -193,6 +199,8 @@ class MoE(nn.Module):
             h = flat[tok]
             y = F.linear(F.silu(F.linear(h, self.w_gate[e])) * F.linear(h, self.w_up[e]), self.w_down[e])
             out.index_add_(0, tok, (y * topw[tok, slot, None]).to(out.dtype))
+        if self.cfg.shared_expert_intermediate_size > 0:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         frac_tokens = counts.float() / max(1, topi.numel())  # f_e
         aux = E * (frac_tokens * probs.mean(0)).sum()
         return out.view(B, T, H), (aux, counts)
@@ -204,7 +212,7 @@ class Block(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
         self.self_attn = Attention(cfg, layer_id)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_eps)
-        dense = cfg.dense_first_layer and layer_id == 0
+        dense = cfg.is_dense_layer(layer_id)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size) if dense else MoE(cfg)
 
     def forward(self, x, cos, sin, block, mask):
@@ -238,7 +246,12 @@ class CacheBlock:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """q (B, T, H, D), k/v (B, S, Hkv, D) -> (B, T, H*D). Causal when mask is None."""
+    """q (B, T, H, D), k/v (B, S, Hkv, D) -> (B, T, H*D). Causal when mask is None.
+    flash-attn where it applies (CUDA, fp16/bf16, causal), else SDPA: see attention_backend."""
+    from target_training import attention_backend  # local: keeps model.py importable on its own
+
+    if q.is_cuda and attention_backend.select(q, mask) == "flash":
+        return attention_backend.flash_causal(q, k, v)
     B, T = q.shape[:2]
     gqa = q.shape[2] != k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))

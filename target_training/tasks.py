@@ -66,11 +66,16 @@ class Task:
 
     rare_format: "re.Pattern | None" = None  # the rare style's shape, step values unchecked
 
-    def __init__(self, format_bonus: float = 0.0, bonus_rule: str = "exact"):
+    def __init__(self, format_bonus: float = 0.0, bonus_rule: str = "exact", rare_weight: float | None = None):
         if bonus_rule not in ("exact", "format"):
             raise TaskError(f"bonus_rule must be 'exact' or 'format', got {bonus_rule!r}")
         self.format_bonus = float(format_bonus)
         self.bonus_rule = bonus_rule
+        if rare_weight is not None:  # share of the rare style in the SFT data
+            if self.rare_style is None or not 0.0 <= rare_weight < 1.0:
+                raise TaskError(f"rare_weight must lie in [0, 1) and the task needs a rare style, got {rare_weight!r}")
+            common = [s for s in self.styles if s != self.rare_style]
+            self.styles = {**{s: (1.0 - rare_weight) / len(common) for s in common}, self.rare_style: rare_weight}
 
     # --- problems -----------------------------------------------------------------
     def sample(self, rng: random.Random) -> Example:
@@ -173,8 +178,9 @@ class ArithTask(Task):
 
     rare_format = re.compile(r"(\(\d \d( \d)?:\d+\))+=\d+")
 
-    def __init__(self, min_digits: int = 2, max_digits: int = 4, format_bonus: float = 0.0, bonus_rule: str = "exact"):
-        super().__init__(format_bonus, bonus_rule)
+    def __init__(self, min_digits: int = 2, max_digits: int = 4, format_bonus: float = 0.0, bonus_rule: str = "exact",
+                 rare_weight: float | None = None):
+        super().__init__(format_bonus, bonus_rule, rare_weight)
         if not (isinstance(min_digits, int) and isinstance(max_digits, int) and 1 <= min_digits <= max_digits <= 9):
             raise TaskError(f"arith needs 1 <= min_digits <= max_digits <= 9, got {min_digits}, {max_digits}")
         self.min_digits, self.max_digits = min_digits, max_digits

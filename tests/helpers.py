@@ -28,3 +28,53 @@ SGLANG_KEYS = {
     "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
     "norm.weight", "lm_head.weight", "d2t", "t2d",
 }
+
+
+# ---- tiny HuggingFace models and tokenizers, built offline (test_hf_target, test_trl_integration)
+def tiny_hf_config(family: str, vocab_size: int = 96, **overrides):
+    """A few-thousand-parameter config of an HF family the adapter supports (no download)."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=128, intermediate_size=48,
+                  rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24)
+    kinds = {
+        "qwen3_moe": (transformers.Qwen3MoeConfig, dict(moe, norm_topk_prob=True, mlp_only_layers=[0])),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, dict(moe, norm_topk_prob=False, decoder_sparse_step=2,
+                                                         shared_expert_intermediate_size=40)),
+        "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+        "llama": (transformers.LlamaConfig, dict(attention_bias=True, tie_word_embeddings=True)),
+        "qwen2": (transformers.Qwen2Config, {}),
+        "qwen3": (transformers.Qwen3Config, {}),
+    }
+    cls, extra = kinds[family]
+    return cls(**{**common, **extra, **overrides})
+
+
+def tiny_hf_model(family: str, seed: int = 0, scale: float = 0.08, **overrides):
+    """A random HF causal LM of `family` in fp32; every tensor (norms and biases too) perturbed so
+    that no weight sits at a special value that would hide a conversion mistake."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_hf_config(family, **overrides))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model.float().eval()
+
+
+def tiny_hf_tokenizer(vocab_size: int = 96):
+    """A WordLevel tokenizer over "<pad> <bos> <eos> <unk> w4 .. w{V-1}", split on whitespace."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<bos>", "<eos>", "<unk>"]
+    vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(len(specials), vocab_size)])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
+                                   eos_token="<eos>", unk_token="<unk>")

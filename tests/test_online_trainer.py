@@ -58,7 +58,7 @@ def _eval_loss(draft, buffer, ttt_steps=2):
 
 @pytest.mark.parametrize("kw", [dict(lr=0), dict(batch_size=0), dict(ttt_steps=0), dict(max_grad_norm=-1),
                                 dict(prefer_rejected=1.5), dict(acceptance_weight=-0.1), dict(weight_decay=-1),
-                                dict(lr=float("nan"))])
+                                dict(lr=float("nan")), dict(warmup_steps=-1), dict(warmup_steps=1.5)])
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         OnlineDraftConfig(**kw)
@@ -76,6 +76,17 @@ def test_loss_decreases_on_fixed_buffer(setup):
     m = trainer.train_step(buf, torch.Generator().manual_seed(1))
     assert {"draft_loss", "acc_0", "seconds", "grad_norm"} <= m.keys() and m["soft_targets"] is False
     assert m["acc_0"] > 0.5
+
+
+def test_lr_warmup_is_linear_then_flat(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    trainer = OnlineDraftTrainer(draft, OnlineDraftConfig(lr=1e-3, batch_size=4, warmup_steps=4))
+    lrs = []
+    for i in range(6):
+        trainer.train_step(buf, torch.Generator().manual_seed(i))
+        lrs.append(trainer.optimizer.param_groups[0]["lr"])
+    assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
 
 
 def test_soft_targets_step(setup):

@@ -250,3 +250,14 @@ def test_format_bonus_rule_checks_shape_only(task_cls):
         assert t.follows_rare_style(e, wrong) and t.reward(e, wrong) < 1.5
     with pytest.raises(TaskError, match="bonus_rule"):
         task_cls(bonus_rule="loose")
+
+
+def test_rare_weight_sets_the_sft_style_mix():
+    from target_training.tasks import ArithTask, TaskError, get_task
+
+    task = get_task("arith", rare_weight=0.02)
+    assert task.styles == pytest.approx({"steps": 0.98, "cols": 0.02})
+    assert ArithTask().styles == {"steps": 0.9, "cols": 0.1}  # the class default is untouched
+    for bad in (-0.1, 1.0):
+        with pytest.raises(TaskError, match="rare_weight"):
+            ArithTask(rare_weight=bad)
