@@ -26,20 +26,18 @@ import copy
 import dataclasses
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import summarize_spec_stats
-from rollout.speculative import SpecConfig, Speculator
-from specrl.bench import machine_info, timed_generate
-from specrl.cotrain import CoTrainConfig
+from rollout.speculative import Speculator
+from specrl.bench import machine_info, timed_generate_interleaved
+from specrl.controller import ControllerConfig, SpeculationController
 from specrl.drafts import train_offline_draft
-from specrl.online_trainer import OnlineDraftConfig
-from specrl.presets import RL_PRESETS, RunPreset
-from specrl.scheduler import SchedulerConfig
+from specrl.presets import DRIFT_COTRAIN, RL_PRESETS, RunPreset
 from specrl.train_rl import RLCallback, RLRun, encode_prompts, rollout_params, train_rl
 from target_training.config import require_positive
 from target_training.grpo import pack_batch
@@ -47,7 +45,7 @@ from target_training.grpo import pack_batch
 ARMS = ("plain", "frozen", "online", "reference")
 # fields of summary.json that come from the wall clock and differ between runs of one seed
 TIMING_FIELDS = ("speedup_frozen_start", "speedup_frozen_end", "speedup_online_end", "speedup_reference_end",
-                 "speedup_vs_batch", "plain_tokens_per_s_end", "draft_train_fraction", "rl_step_s", "wall_s")
+                 "speedup_vs_batch", "plain_tokens_per_s_end", "draft_overhead_fraction", "rl_step_s", "wall_s")
 
 
 class DriftError(ValueError):
@@ -59,7 +57,7 @@ class DriftPreset:
     rl: RunPreset  # the GRPO run (model, SFT, task and its drift-inducing reward, steps)
     eval_every: int = 10  # RL steps between evaluation points (plus step 0 and the end)
     eval_prompts: int = 32
-    eval_batch: int = 32
+    eval_batch: int = 8  # speculation pays best at small to moderate batch on an MoE target (DESIGN 4)
     timing_repeats: int = 2
     reference_at: str = "end"  # "end" or "every": when to retrain the reference draft
     speed_batches: tuple[int, ...] = (1, 4, 16, 64)  # the end-of-run speed-up vs batch size sweep
@@ -76,19 +74,13 @@ def _drift_rl(base: str, **kw) -> RunPreset:
     return dataclasses.replace(RL_PRESETS[base], **kw)
 
 
-# The co-training settings of the drift runs: a fixed number of draft updates per RL step (so runs
-# are reproducible), with the time budget left wide so it never cuts a burst short.
-_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), feature_source="trainer", max_draft_steps=2,
-                         recent_versions=4, online=OnlineDraftConfig(lr=1e-3, batch_size=16),
-                         scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",)))
-
 DRIFT_PRESETS: dict[str, DriftPreset] = {
-    "ci": DriftPreset(rl=_drift_rl("ci", rl_steps=4, task_kwargs={"format_bonus": 0.5, "bonus_rule": "format"},
-                                   cotrain=_COTRAIN),
+    "ci": DriftPreset(rl=_drift_rl("ci", rl_steps=4, task_kwargs=RL_PRESETS["drift"].task_kwargs,
+                                   cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
                       eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8)),
-    "quick": DriftPreset(rl=_drift_rl("drift", cotrain=_COTRAIN), eval_every=10),
-    "full": DriftPreset(rl=_drift_rl("full", task_kwargs={"format_bonus": 0.5, "bonus_rule": "format"},
-                                     cotrain=_COTRAIN), eval_every=20, eval_prompts=64, eval_batch=64),
+    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20),
+    "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
+                                     cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64),
 }
 
 
@@ -154,28 +146,30 @@ class DriftEvaluator(RLCallback):
     def evaluate(self, run: RLRun, step: int, final: bool = False) -> None:
         run.policy.eval()
         params = rollout_params(run.preset, run.tokenizer, run.seed)
-        spec = run.preset.cotrain.spec
-        plain_out = None
-        for arm, draft in self.drafts(run, final).items():
-            speculator = Speculator(draft, spec) if draft is not None else None
-            engine = EmbeddedEngine(run.policy, EngineConfig(max_batch=self.preset.eval_batch), speculator=speculator)
-            timing = timed_generate(engine, self.prompts, params, repeats=self.preset.timing_repeats)
-            trajs = timing["trajectories"]  # every repeat emits the same tokens with the same statistics
-            row = {"step": step, "arm": arm, "tokens": sum(len(t.token_ids) for t in trajs),
-                   "tokens_per_s": timing["tokens_per_s"]}
-            if arm == "plain":
-                plain_out = {"trajs": trajs, "tokens_per_s": timing["tokens_per_s"]}
-                row["kl_from_start"] = policy_kl(run.policy, self.start_policy, trajs, params.temperature)
-                row["mean_response_len"] = row["tokens"] / len(trajs)
-            else:
-                same = [t.token_ids for t in trajs] == [t.token_ids for t in plain_out["trajs"]]
-                if not same:  # losslessness is the premise of every number here
-                    raise RuntimeError(f"arm {arm!r} changed the generated tokens at step {step}")
-                agg = summarize_spec_stats(t.spec for t in trajs)
-                row.update(accept_length=agg["accept_length"], accept_rate=agg["accept_rate"],
-                           accept_rate_per_pos=agg["accept_rate_per_pos"], speedup=timing["tokens_per_s"] / plain_out["tokens_per_s"])
-            self.rows.append(row)
+        results = self.time_arms(run, self.drafts(run, final), self.preset.eval_batch, self.prompts, params)
+        plain = results.pop("plain")
+        self.rows.append({"step": step, "arm": "plain", "tokens": plain["tokens"],
+                          "tokens_per_s": plain["tokens_per_s"], "mean_response_len": plain["tokens"] / len(self.prompts),
+                          "kl_from_start": policy_kl(run.policy, self.start_policy, plain["trajectories"],
+                                                     params.temperature)})
+        for arm, r in results.items():
+            if [t.token_ids for t in r["trajectories"]] != [t.token_ids for t in plain["trajectories"]]:
+                raise RuntimeError(f"arm {arm!r} changed the generated tokens at step {step}")  # lossless or bust
+            agg = summarize_spec_stats(t.spec for t in r["trajectories"])  # same in every repeat
+            self.rows.append({"step": step, "arm": arm, "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"],
+                              "accept_length": agg["accept_length"], "accept_rate": agg["accept_rate"],
+                              "accept_rate_per_pos": agg["accept_rate_per_pos"],
+                              "speedup": r["tokens_per_s"] / plain["tokens_per_s"]})
         self._log_point(step)
+
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params) -> dict[str, dict]:
+        """Each arm's engine at this batch size, timed in turns on the same prompts. `arms` maps
+        a name to a draft, a ready Speculator, or None for plain decoding."""
+        spec = run.preset.cotrain.spec
+        engines = {arm: EmbeddedEngine(run.policy, EngineConfig(max_batch=batch),
+                                       speculator=d if d is None or isinstance(d, Speculator) else Speculator(d, spec))
+                   for arm, d in arms.items()}
+        return timed_generate_interleaved(engines, prompts, params, repeats=self.preset.timing_repeats)
 
     def speed_vs_batch(self, run: RLRun) -> list[dict]:
         """Speed-up of each draft over plain decoding at several batch sizes, final policy."""
@@ -184,15 +178,14 @@ class DriftEvaluator(RLCallback):
                 "reference": self.reference_draft}
         rows = []
         for b in self.preset.speed_batches:
+            # the online draft under the adaptive controller (plain decoding where speculation does not pay)
+            arms["adaptive"] = Speculator(run.cotrain.speculator.draft, run.preset.cotrain.spec)
+            arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=(1, 2, 3, 4)))
             prompts = (self.prompts * (1 + (2 * b) // len(self.prompts)))[: max(2 * b, 4)]
-            base = None
-            for arm, draft in arms.items():
-                spec = Speculator(draft, run.preset.cotrain.spec) if draft is not None else None
-                r = timed_generate(EmbeddedEngine(run.policy, EngineConfig(max_batch=b), speculator=spec), prompts,
-                                   params, repeats=self.preset.timing_repeats)
-                base = base or r["tokens_per_s"]
-                rows.append({"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"],
-                             "speedup": r["tokens_per_s"] / base})
+            results = self.time_arms(run, arms, b, prompts, params)
+            base = results["plain"]["tokens_per_s"]
+            rows += [{"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}
+                     for arm, r in results.items()]
         return rows
 
     def _log_point(self, step: int) -> None:
@@ -209,7 +202,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
     def at(step, arm, key):
         return next(r[key] for r in rows if r["step"] == step and r["arm"] == arm)
 
-    draft_s = sum(r.get("perf/draft_train_s", 0.0) + r.get("perf/draft_sync_s", 0.0) for r in rl_rows)
+    draft_s = sum(r["perf/draft_overhead_s"] for r in rl_rows)
     step_s = sum(r["step_s"] for r in rl_rows)
     summary = {
         "seed": seed, "rl_steps": rl_summary["rl_steps"],
@@ -228,7 +221,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "speedup_reference_end": at(last_step, "reference", "speedup"),
         "speedup_vs_batch": evaluator.speed_rows,
         "plain_tokens_per_s_end": at(last_step, "plain", "tokens_per_s"),
-        "draft_train_fraction": draft_s / max(step_s, 1e-9),
+        "draft_overhead_fraction": draft_s / max(step_s - draft_s, 1e-9),  # added to the step without it
         "rl_step_s": step_s / max(1, len(rl_rows)),
         "wall_s": wall_s,
         "timing_fields": list(TIMING_FIELDS),
@@ -242,10 +235,10 @@ def deterministic_part(summary: dict) -> dict:
     return {k: v for k, v in summary.items() if k not in TIMING_FIELDS and k not in ("timing_fields", "machine")}
 
 
-def run_drift(preset_name: str, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
+def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
               progress: bool = True, plots: bool = True, log=print) -> dict:
     t0 = time.perf_counter()
-    preset = get_drift_preset(preset_name)
+    preset = preset if isinstance(preset, DriftPreset) else get_drift_preset(preset)
     out = Path(out_dir)
     if (out / "summary.json").exists() or (out / "rl").exists():
         raise DriftError(f"output folder {out} already holds a drift run; choose another --out")

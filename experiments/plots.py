@@ -14,7 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 ARM_STYLE = {"plain": dict(color="0.4", ls=":"), "frozen": dict(color="tab:red", marker="o"),
-             "online": dict(color="tab:blue", marker="s"), "reference": dict(color="tab:green", marker="^", ls="none")}
+             "online": dict(color="tab:blue", marker="s"), "reference": dict(color="tab:green", marker="^", ls="none"),
+             "adaptive": dict(color="tab:cyan", marker="D", ls="--")}
 
 
 def read_jsonl(path: Path) -> list[dict]:

@@ -28,15 +28,23 @@ def machine_info() -> dict:
 
 def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
     """Best-of-repeats tokens/s after one warm-up call (same prompts each time)."""
-    engine.generate(prompts[: min(len(prompts), 2)], params)
-    best = None
+    return timed_generate_interleaved({"engine": engine}, prompts, params, repeats)["engine"]
+
+
+def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2) -> dict[str, dict]:
+    """`timed_generate` for several engines, taking turns within each repeat, so a slow spell of
+    a noisy machine hits every engine alike instead of whichever ran during it."""
+    for engine in engines.values():
+        engine.generate(prompts[: min(len(prompts), 2)], params)
+    best: dict[str, dict] = {}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        trajs = engine.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        n = sum(len(t.token_ids) for t in trajs)
-        if best is None or n / wall > best["tokens_per_s"]:
-            best = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs}
+        for name, engine in engines.items():
+            t0 = time.perf_counter()
+            trajs = engine.generate(prompts, params)
+            wall = time.perf_counter() - t0
+            n = sum(len(t.token_ids) for t in trajs)
+            if name not in best or n / wall > best[name]["tokens_per_s"]:
+                best[name] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs}
     return best
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -50,6 +51,7 @@ class FeatureBuffer:
         self._heap: list[tuple[int, int]] = []  # (policy_version, insertion id); lazy deletion
         self._ids = itertools.count()
         self._bytes = 0
+        self.capture_seconds = 0.0  # time spent storing features from the trainer's forward (hook)
         self.counters = {"added": 0, "evicted": 0, "rejected_oversized": 0, "skipped_empty": 0}
 
     # ------------------------------------------------------------------ core
@@ -157,8 +159,10 @@ class FeatureBuffer:
         layer_ids = tuple(layer_ids)
 
         def hook(input_ids, out, response_mask):
+            t0 = time.perf_counter()
             self.add_from_trainer_forward(input_ids, out.features(layer_ids), out.logits if soft_targets else None,
                                           response_mask, d2t, policy_version())
+            self.capture_seconds += time.perf_counter() - t0
 
         return hook
 

@@ -73,6 +73,7 @@ class SpecCoTrainer:
         self._train_metrics: list[dict] = []  # draft-training results of the current RL step
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
+        self._capture_s0 = 0.0
         if cfg.mode == "off":
             return
         # the engine speculates with its own copy; the trainer's copy is swapped in when it improves
@@ -123,6 +124,7 @@ class SpecCoTrainer:
         self._train_metrics = []
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
+        self._capture_s0 = self.buffer.capture_seconds
 
     def on_rollout(self, trajectories) -> dict:
         """Acceptance statistics of a rollout batch (and its features, for the engine source)."""
@@ -170,6 +172,10 @@ class SpecCoTrainer:
             m["train/draft_steps"] = self._draft_steps_this_rl_step
             m["train/draft_version"] = self.draft_trainer.version
             m["perf/draft_sync_s"] = self._sync_s
+            m["perf/feature_capture_s"] = self.buffer.capture_seconds - self._capture_s0
+            # all the online draft adds to the RL step: training and weight sync (both inside the
+            # scheduler's windows, so in draft_train_s) plus feature capture in the trainer's forward
+            m["perf/draft_overhead_s"] = m.get("perf/draft_train_s", 0.0) + m["perf/feature_capture_s"]
             m["buffer/entries"] = len(self.buffer)
             m["buffer/bytes"] = self.buffer.nbytes
         m["train/draft_faults"] = self.faults

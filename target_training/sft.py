@@ -96,7 +96,7 @@ def warm_start(task, task_spec: dict, tokenizer, model_cfg: MoEConfig, sft_cfg: 
                cache_dir: Path | None = None, log=print, progress: bool = False) -> tuple[MoETransformer, dict]:
     """Load the cached SFT policy for these settings, or train and cache it."""
     vocab_fp = hashlib.sha256(tokenizer.decode(list(range(tokenizer.vocab_size)), skip_special=False).encode()).hexdigest()[:16]
-    path = (cache_dir or default_cache_dir()) / f"sft-{cache_key(task_spec, model_cfg, sft_cfg, vocab_fp)}"
+    path = Path(cache_dir or default_cache_dir()) / f"sft-{cache_key(task_spec, model_cfg, sft_cfg, vocab_fp)}"
     if path.exists():
         model, _, _, state = load_checkpoint(path, model_cfg)
         log(f"[sft] loaded cached warm start from {path}")
