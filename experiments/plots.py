@@ -74,11 +74,12 @@ def plot_acceptance_heatmap(rows, path: Path, arms=("frozen", "online")):
         grid = [[p[d] if d < len(p) else float("nan") for _, p in pts] for d in range(depth)]
         im = ax.imshow(grid, aspect="auto", origin="lower", vmin=0, vmax=1, cmap="viridis")
         ax.set_xticks(range(len(pts)), [s for s, _ in pts])
+        ax.set_yticks(range(depth), [str(d + 1) for d in range(depth)])
         ax.set_title(arm)
         ax.set_xlabel("RL step")
     axes[0].set_ylabel("draft position")
-    fig.colorbar(im, ax=list(axes), label="acceptance rate")
-    fig.savefig(path, dpi=110)
+    fig.colorbar(im, ax=list(axes), label="acceptance rate (cumulative)")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -49,9 +49,9 @@ class RunPreset:
 
 # Co-training of the drift runs: one draft update (12 sequences, 4 TTT steps) per RL step, a fixed
 # count so runs are reproducible (the time budget is left wide so it never cuts a burst short;
-# the drift experiment measures what the update adds to the RL step). Training samples come from
-# the last 4 policy versions. Chains of 4 drafts: on the 2-core CPU, 6 cost more than they gain.
-DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), feature_source="trainer", max_draft_steps=1,
+# the drift experiment measures what the update adds to the RL step: 4.5% on the 2-core CPU).
+# Training samples come from the last 4 policy versions. Chains of 5 drafts.
+DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=5), feature_source="trainer", max_draft_steps=1,
                               recent_versions=4, online=OnlineDraftConfig(lr=1e-3, batch_size=12),
                               scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",)))
 
@@ -65,13 +65,14 @@ RL_PRESETS: dict[str, RunPreset] = {
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64),
-    # Policy drift on purpose (DESIGN 1b): a bonus for the rare "cols" worked-step style (10% of the
-    # SFT data) moves the policy's outputs away from what the starting draft was trained on; by
-    # step ~60 the policy writes mostly "cols", and the last 40 steps sharpen it.
-    "drift": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
+    # Policy drift on purpose (DESIGN 1b): the rare "cols" worked-step style is 5% of the SFT data,
+    # so the starting draft (trained on the SFT policy's samples) has seen little of it; a reward
+    # bonus for that format moves the policy there during RL, and the later steps sharpen it.
+    "drift": RunPreset(model="quick", sft=SFTConfig(steps=600, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=1e-4), rl_steps=100, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=64, eval_samples=2, checkpoint_every=10, max_batch=64,
-                       task_kwargs={"format_bonus": 0.5, "bonus_rule": "format"}, cotrain=DRIFT_COTRAIN),
+                       task_kwargs={"format_bonus": 1.0, "bonus_rule": "format", "rare_weight": 0.05},
+                       cotrain=DRIFT_COTRAIN),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
                       max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64),
