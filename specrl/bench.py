@@ -162,8 +162,10 @@ def format_row(row: dict) -> str:
 
 def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperature: float):
     """The policy, its cached offline draft, sampling params and a prompt maker for speed runs."""
+    from rollout.protocol import SamplingParams
     from specrl.drafts import DraftTrainConfig, cached_offline_draft
 
+    SamplingParams(temperature=temperature)  # a bad --temperature fails before the expensive setup
     preset = get_preset(preset_name)
     cache_dir = cache_dir or default_cache_dir()
     tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir)
