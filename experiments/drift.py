@@ -105,8 +105,8 @@ def policy_kl(policy, start_policy, trajectories, temperature: float) -> float:
 class DriftEvaluator(RLCallback):
     """Evaluates the four arms at step 0, every `eval_every` steps and at the end of the run."""
 
-    def __init__(self, preset: DriftPreset, out: Path, log=print):
-        self.preset, self.out, self.log = preset, out, log
+    def __init__(self, preset: DriftPreset, log=print):
+        self.preset, self.log = preset, log
         self.rows: list[dict] = []
         self.frozen_draft = self.start_policy = self.prompts = None
         self.reference_draft = None
@@ -243,7 +243,7 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
     if (out / "summary.json").exists() or (out / "rl").exists():
         raise DriftError(f"output folder {out} already holds a drift run; choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    evaluator = DriftEvaluator(preset, out, log=log)
+    evaluator = DriftEvaluator(preset, log=log)
     rl_summary = train_rl(task, preset.rl, out / "rl", seed=seed, cache_dir=cache_dir, progress=progress,
                           spec="online", callbacks=(evaluator,), log=log)
     rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line]
