@@ -18,14 +18,16 @@ target (`process_logits`: temperature, top-k, top-p). Chains: `draft_tokens (B, 
 `draft_logp (B, g, V)` (row i is the q that drafted token i), `target_logp (B, g+1, V)` (row i
 is the target's p for the token after i accepted drafts; row g gives the bonus token). Trees:
 see `rollout.tree`; `target_logp[b, i]` is the target's p for the token FOLLOWING node i and
-`draft_logp[b, i]` is the q from which node i's children were drafted. `first_step (B,)` is the
-index (within the completion) of the token that chain position 0 / the root's children predict.
+`draft_logp[b, i]` is the q from which node i's children were drafted. Coupled noise is
+`rollout.sampling.coupled_noise(seed, request_ids, first_step, n, V)` (B, n, V), where
+`first_step (B,)` is the index (within the completion) of the token that chain position 0 /
+the root's children predict: one call per verify step covers every position it can reach.
 """
 from __future__ import annotations
 
 import torch
 
-from rollout.sampling import gumbel_noise, sample
+from rollout.sampling import gumbel_argmax
 from rollout.tree import node_depths
 
 Long = torch.Tensor
@@ -82,46 +84,29 @@ def verify_chain_rejection(draft_tokens: Long, draft_logp: torch.Tensor, target_
     return n, torch.multinomial(residual(p, q), 1, generator=generator)[:, 0]
 
 
-def propose_coupled(draft_logp: torch.Tensor, seed: int, request_ids: Long, steps: Long) -> Long:
-    """The draft's coupled proposal: argmax(draft_logp + the target's noise at `steps`).
-    draft_logp (B, V), request_ids (B,), steps (B,) -> (B,). When q = p this IS the target's
-    sample, so acceptance is 1; the closer q is to p the more often the argmaxes agree."""
-    return sample(draft_logp, mode="coupled", seed=seed, request_ids=request_ids, steps=steps)
+def propose_coupled(draft_logp: torch.Tensor, noise: torch.Tensor) -> Long:
+    """The draft's coupled proposal: argmax(draft_logp + the target's noise for that token).
+    draft_logp (B, V), noise (B, V) (from `coupled_noise`) -> (B,). When q = p this IS the
+    target's sample, so acceptance is 1; the closer q is to p the more often the argmaxes agree."""
+    return gumbel_argmax(draft_logp, noise)
 
 
-def propose_coupled_topk(draft_logp: torch.Tensor, k: int, seed: int, request_ids: Long,
-                         steps: Long) -> tuple[Long, torch.Tensor]:
+def propose_coupled_topk(draft_logp: torch.Tensor, k: int, noise: torch.Tensor) -> tuple[Long, torch.Tensor]:
     """Tree children under coupling: the k best tokens of draft_logp + noise (B, V) -> (B, k)
     tokens (column 0 = propose_coupled) and a (B, k) validity mask (False for tokens outside
     the draft's support). Extra children raise the chance that one of them equals the
     target's coupled sample; the target's output is unchanged whatever the tree."""
-    noise = gumbel_noise(seed, request_ids, steps, draft_logp.shape[-1])  # (B, V)
     top = (draft_logp + noise).topk(min(k, draft_logp.shape[-1]), dim=-1)
     return top.indices, torch.isfinite(top.values)
 
 
-def verify_chain_coupled(draft_tokens: Long, target_logp: torch.Tensor, seed: int, request_ids: Long,
-                         first_step: Long) -> tuple[Long, Long]:
-    """Coupled verification: the target's sample at chain position i uses step first_step + i;
-    accept while the draft equals it; emit the target's sample at the first mismatch/bonus.
-
-    Samples are drawn position by position for the rows still matching only, so a verify step
-    draws exactly as much noise as plain decoding would for the tokens it emits."""
-    B, g = draft_tokens.shape
-    n = torch.zeros(B, dtype=torch.long, device=target_logp.device)
-    next_token = torch.zeros_like(n)
-    alive = torch.arange(B, device=target_logp.device)  # rows whose drafts all matched so far
-    for i in range(g + 1):
-        s = sample(target_logp[alive, i], mode="coupled", seed=seed, request_ids=request_ids[alive],
-                   steps=first_step[alive] + i)  # (A,)
-        next_token[alive] = s
-        if i == g:
-            break
-        alive = alive[draft_tokens[alive, i] == s]
-        n[alive] += 1
-        if alive.numel() == 0:
-            break
-    return n, next_token
+def verify_chain_coupled(draft_tokens: Long, target_logp: torch.Tensor, noise: torch.Tensor) -> tuple[Long, Long]:
+    """Coupled verification: the target's sample at chain position i is argmax(target_logp[:, i]
+    + noise[:, i]) (noise (B, g+1, V) from `coupled_noise` at the step of position 0); accept
+    while the draft equals it; emit the target's sample at the first mismatch, or the bonus."""
+    target_tokens = gumbel_argmax(target_logp, noise)  # (B, g+1)
+    n = (draft_tokens == target_tokens[:, :-1]).long().cumprod(1).sum(1)  # (B,) leading matches
+    return n, target_tokens.gather(1, n[:, None])[:, 0]
 
 
 # ----------------------------------------------------------------------------- trees
@@ -130,59 +115,45 @@ def _max_depth(parents: Long, valid: torch.Tensor) -> int:
     return int(node_depths(parents).masked_fill(~valid, 0).max())
 
 
-def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, choose):
+def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, target_next: Long):
     """Follow, from the root, the child whose token equals the target's own token after the
-    current node (first such child in index order); stop when there is none and emit it.
-
-    choose(cur (B,), d, active (B,)) -> (B,) is the target's token after node cur (at depth d),
-    needed only where active: computing it level by level, and stopping as soon as every row
-    has stopped, avoids scoring (or drawing noise for) nodes the walk never reaches.
+    current node, target_next[b, node] (first such child in index order); stop when there is
+    none and emit it. The target's token is computed for every node up front (a few batched
+    ops), so the walk itself is table lookups.
     Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,))."""
     B, N = parents.shape
     dev = parents.device
     D = _max_depth(parents, valid)
     idx = torch.arange(N, device=dev)
+    rows = torch.arange(B, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
     path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
     path[:, 0] = 0
     active = torch.ones(B, dtype=torch.bool, device=dev)
-    next_token = torch.zeros(B, dtype=torch.long, device=dev)
-    for d in range(D + 1):
-        want = choose(cur, d, active)  # (B,)
-        next_token = torch.where(active, want, next_token)
-        if d == D:
-            break
+    for d in range(D):
+        want = target_next[rows, cur]  # (B,)
         hit = valid & (parents == cur[:, None]) & (tokens == want[:, None]) & active[:, None]  # (B, N)
         active = hit.any(1)
         child = torch.where(hit, idx, N).min(1).values  # (B,)
         cur = torch.where(active, child, cur)
         path[:, d + 1] = torch.where(active, child, -1)
-        if not bool(active.any()):
-            break
-    return path, (path >= 0).sum(1) - 1, next_token
+    return path, (path >= 0).sum(1) - 1, target_next[rows, cur]
 
 
 def verify_tree_greedy(parents: Long, tokens: Long, valid: torch.Tensor, target_logits: torch.Tensor):
     """Greedy tree walk: at node n descend to the child whose token is argmax target_logits[n].
     Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,))."""
-    rows = torch.arange(parents.shape[0], device=parents.device)
-    return _walk_deterministic(parents, tokens, valid, lambda cur, d, active: target_logits[rows, cur].argmax(-1))
+    return _walk_deterministic(parents, tokens, valid, target_logits.argmax(-1))
 
 
 def verify_tree_coupled(parents: Long, tokens: Long, valid: torch.Tensor, target_logp: torch.Tensor,
-                        seed: int, request_ids: Long, first_step: Long):
-    """Coupled tree walk: at a node of depth d the target's sample uses step first_step + d;
-    descend to the child carrying that token, else emit it. Same returns as the greedy walk.
-    Noise is drawn only for the rows still walking, one depth at a time."""
-
-    def choose(cur: Long, d: int, active: torch.Tensor) -> Long:
-        out = torch.zeros_like(cur)
-        a = active.nonzero()[:, 0]  # (A,)
-        out[a] = sample(target_logp[a, cur[a]], mode="coupled", seed=seed, request_ids=request_ids[a],
-                        steps=first_step[a] + d)
-        return out
-
-    return _walk_deterministic(parents, tokens, valid, choose)
+                        noise: torch.Tensor):
+    """Coupled tree walk: at a node of depth d the target's sample is argmax(target_logp + noise[:, d])
+    (noise (B, D+1, V) from `coupled_noise` at the step of the root's children); descend to the
+    child carrying that token, else emit it. Same returns as the greedy walk."""
+    depth = node_depths(parents).clamp(max=noise.shape[1] - 1)  # (B, N); padding nodes are never reached
+    node_noise = noise.gather(1, depth[..., None].expand(-1, -1, noise.shape[-1]))  # (B, N, V)
+    return _walk_deterministic(parents, tokens, valid, gumbel_argmax(target_logp, node_noise))
 
 
 def sample_children_without_replacement(draft_logp: torch.Tensor, k: int,

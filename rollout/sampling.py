@@ -45,6 +45,21 @@ def gumbel_noise(seed: int, request_ids: torch.Tensor, steps: torch.Tensor, voca
     return (-torch.log(-torch.log(u))).float()
 
 
+def coupled_noise(seed: int, request_ids: torch.Tensor, first_step: torch.Tensor, n: int, vocab: int) -> torch.Tensor:
+    """The noise of n consecutive tokens per request, (B, n, V): row i is for token first_step + i.
+
+    A speculative step needs the noise of every position it may reach (the draft proposes with
+    it, the target verifies with it); one call for all of them costs a fraction of one per
+    position, since the hash is a handful of small tensor ops whatever the size."""
+    steps = first_step[:, None] + torch.arange(n, device=first_step.device)  # (B, n)
+    return gumbel_noise(seed, request_ids[:, None], steps, vocab)
+
+
+def gumbel_argmax(logp: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The coupled draw: argmax(logp + noise) over the last dim, an exact sample from softmax(logp)."""
+    return (logp + noise).argmax(-1)
+
+
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Log-probs (float32) of the distribution actually sampled from: temperature, then top-k,
     then top-p; filtered tokens get -inf. Greedy (temperature 0) returns a one-hot log-dist."""
@@ -77,8 +92,7 @@ def sample(logp: torch.Tensor, *, mode: str, generator: torch.Generator | None =
            request_ids: torch.Tensor | None = None, steps: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row of logp (..., V) (as from process_logits)."""
     if mode == "coupled":
-        g = gumbel_noise(seed, request_ids, steps, logp.shape[-1])
-        return (logp + g).argmax(-1)
+        return gumbel_argmax(logp, gumbel_noise(seed, request_ids, steps, logp.shape[-1]))
     if mode == "rng":
         flat = logp.reshape(-1, logp.shape[-1]).exp()
         return torch.multinomial(flat, 1, generator=generator).view(logp.shape[:-1])

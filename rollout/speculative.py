@@ -22,7 +22,7 @@ import torch
 from draft_models.checkpoint import check_draft_against_target
 from rollout import acceptance as acc
 from rollout.protocol import SamplingParams
-from rollout.sampling import policy_logprobs, process_logits
+from rollout.sampling import coupled_noise, policy_logprobs, process_logits
 from rollout.tree import accepted_kv_positions, gather_path, node_depths, select_nodes, tree_attention_mask
 
 
@@ -145,48 +145,55 @@ class SpecSession:
         h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, Vd)
         if bool(torch.isnan(q_last).any() or torch.isposinf(q_last).any()):  # -inf marks non-draft tokens
             raise FloatingPointError("draft produced NaN or infinite logits")
-        ctx = _Sampling(params, engine, states)
+        ctx = _Sampling(params, engine, states, depth)
+        roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
+        taps = engine.model.cfg.feature_layer_ids
         if self.cfg.mode == "chain":
-            tokens, parents, draft_logp, valid, verified = self._draft_chain(slots, h_last, q_last, depth, ctx)
+            tokens, draft_logp = self._draft_chain(slots, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
+            self.cache.rollback(slots, L)
+            block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
+            out = engine.model(block_tokens, cache=cache, slots=slots, tap_layers=taps)
+            n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, ctx.process(out.logits), out.logits)
+            steps = torch.arange(depth + 1, device=slots.device)
+            path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
+            drafted_depths = torch.full_like(n_acc, depth)
         else:
             tokens, parents, draft_logp, valid, verified = self._draft_tree(slots, h_last, q_last, depth, ctx)
-        self.cache.rollback(slots, L)
-        # verify: block = [x_L, drafts...]; positions = L + depth in the tree
-        roots = torch.tensor([s.last_token for s in states], device=slots.device)
-        block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, N)
-        block_parents = torch.cat([torch.full_like(roots[:, None], -1), parents], 1)
-        block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
-        block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
-        mask = tree_attention_mask(block_parents, block_verified)
-        positions = L[:, None] + node_depths(block_parents)
-        out = engine.model(block_tokens, cache=cache, slots=slots, positions=positions, attn_mask=mask,
-                           tap_layers=engine.model.cfg.feature_layer_ids)
-        target_logp = ctx.process(out.logits)  # (B, N, V)
-        path, n_acc, next_tok = ctx.verify(block_parents, block_tokens, block_valid, block_verified,
-                                           draft_logp, target_logp, out.logits)
+            self.cache.rollback(slots, L)
+            block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, N): root, then the drafted nodes
+            block_parents = torch.cat([torch.full_like(roots[:, None], -1), parents], 1)
+            block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
+            block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
+            depths = node_depths(block_parents)  # (B, N)
+            out = engine.model(block_tokens, cache=cache, slots=slots, positions=L[:, None] + depths,
+                               attn_mask=tree_attention_mask(block_parents, block_verified), tap_layers=taps)
+            path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
+                                                    draft_logp, ctx.process(out.logits), out.logits)
+            drafted_depths = depths.masked_fill(~block_valid, 0).max(1).values  # (B,)
         # keep the accepted path's KV entries contiguous after position L
         src, n_keep = accepted_kv_positions(path, L)
         if self.cfg.mode == "tree":
             cache.compact(slots, src, L)  # chains are already contiguous
         cache.rollback(slots, L + n_keep)
-        feats = gather_path(path, out.features(engine.model.cfg.feature_layer_ids), fill=0)  # (B, W, 3H)
+        feats = gather_path(path, out.features(taps), fill=0)  # (B, W, 3H)
+        # emitted tokens: the accepted drafts, then the target's own; each token's log-prob comes
+        # from the verify logits at the node before it (the policy's exact distribution there)
+        emitted = torch.cat([gather_path(path, block_tokens, fill=0)[:, 1:], next_tok[:, None]], 1)  # (B, W)
+        emitted.scatter_(1, n_acc[:, None], next_tok[:, None])
         lp_all = policy_logprobs(out.logits, params.temperature)  # (B, N, V)
-        path_lp = gather_path(path, lp_all, fill=0)  # (B, W, V)
-        drafted_depths = node_depths(block_parents).masked_fill(~block_valid, 0).max(1).values  # (B,)
+        emitted_lp = gather_path(path, lp_all, fill=0).gather(2, emitted[..., None])[..., 0]  # (B, W)
+        rows = zip(active, states, n_keep.tolist(), drafted_depths.tolist(), emitted.tolist(), emitted_lp.tolist())
         emitted_total = drafted_total = 0
-        for r, (slot, st) in enumerate(zip(active, states)):
-            k = int(n_keep[r])  # root + accepted drafts
+        for r, (slot, st, k, drafted_depth, toks, lps) in enumerate(rows):  # k = root + accepted drafts
             self.pending[slot] = [feats[r, :k]]
             if capture:
                 st.features.append(feats[r, :k].to(torch.float16).cpu())
-            emitted = [int(t) for t in block_tokens[r, path[r, 1:k]]] + [int(next_tok[r])]
-            drafted_depth = int(drafted_depths[r])
             if st.spec is not None:
                 st.spec.record(drafted_depth, k - 1)
-            emitted_total += len(emitted)
+            emitted_total += k
             drafted_total += drafted_depth
-            for i, t in enumerate(emitted):
-                if not engine.append_token(st, t, float(path_lp[r, i, t]), params):
+            for t, lp in zip(toks[:k], lps[:k]):
+                if not engine.append_token(st, t, lp, params):
                     break
         n = len(active)
         return {"gamma": depth, "tokens_per_seq": emitted_total / n, "accepted": emitted_total - n,
@@ -219,7 +226,7 @@ class SpecSession:
         return prenorm, self.draft.to_target_logits(logits)
 
     def _draft_chain(self, slots, h, q_logits, depth: int, ctx: "_Sampling"):
-        B = slots.shape[0]
+        """-> drafted tokens (B, g) and the distributions they were drawn from (B, g, V)."""
         toks, qs = [], []
         for d in range(depth):
             q = ctx.process(q_logits)  # (B, V)
@@ -229,13 +236,7 @@ class SpecSession:
             if d + 1 < depth:
                 h, q_logits = self._draft_step(slots, h[:, None], t[:, None])
                 h, q_logits = h[:, 0], q_logits[:, 0]
-        tokens = torch.stack(toks, 1)  # (B, g)
-        parents = torch.arange(depth, device=slots.device).expand(B, depth)  # block node i+1's parent is node i
-        # draft_logp indexed by block node: node i proposes its child with q_i
-        V = qs[0].shape[-1]
-        draft_logp = torch.stack(qs + [qs[-1].new_full((B, V), float("-inf"))], 1)  # (B, g+1, V)
-        valid = torch.ones(B, depth, dtype=torch.bool, device=slots.device)
-        return tokens, parents, draft_logp, valid, valid
+        return torch.stack(toks, 1), torch.stack(qs, 1)
 
     def _draft_tree(self, slots, h_root, q_root_logits, depth: int, ctx: "_Sampling"):
         """EAGLE-2 dynamic tree: expand the k best nodes of each depth, keep the best `budget`.
@@ -334,18 +335,20 @@ def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_vali
 
 
 class _Sampling:
-    """The sampling rule of one generate() call, applied identically to draft and target."""
+    """The sampling rule of one speculative step, applied identically to draft and target."""
 
-    def __init__(self, params: SamplingParams, engine, states):
+    def __init__(self, params: SamplingParams, engine, states, depth: int):
         self.params = params
         self.generator = engine.generator
         if params.greedy:
             self.mode = "greedy"
         else:
             self.mode = "coupled" if engine.config.sampling_mode == "coupled" else "rejection"
-        dev = engine.device
-        self.rids = torch.tensor([s.request_id for s in states], device=dev)
-        self.first_step = torch.tensor([len(s.tokens) for s in states], device=dev)  # index of x_{L+1}
+        if self.mode == "coupled":  # the noise of tokens x_{L+1} .. x_{L+1+depth}: (B, depth + 1, V)
+            dev = engine.device
+            rids = torch.tensor([s.request_id for s in states], device=dev)
+            first_step = torch.tensor([len(s.tokens) for s in states], device=dev)  # index of x_{L+1}
+            self.noise = coupled_noise(params.seed, rids, first_step, depth + 1, engine.model.cfg.vocab_size)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probs to draw from. Greedy keeps the full draft distribution (not one-hot) so trees
@@ -359,7 +362,7 @@ class _Sampling:
         if self.mode == "greedy":
             return q.argmax(-1)
         if self.mode == "coupled":
-            return acc.propose_coupled(q, self.params.seed, self.rids, self.first_step + depth)
+            return acc.propose_coupled(q, self.noise[:, depth])
         return torch.multinomial(q.exp(), 1, generator=self.generator)[:, 0]
 
     def children(self, q: torch.Tensor, k: int, depth: int):
@@ -367,17 +370,23 @@ class _Sampling:
             top = q.topk(min(k, q.shape[-1]), dim=-1)
             return top.indices, torch.isfinite(top.values)
         if self.mode == "coupled":  # q may hold several parents per sequence: (B * P, V)
-            per_row = q.shape[0] // self.rids.shape[0]
-            rids = self.rids.repeat_interleave(per_row)
-            steps = (self.first_step + depth).repeat_interleave(per_row)
-            return acc.propose_coupled_topk(q, k, self.params.seed, rids, steps)
+            per_row = q.shape[0] // self.noise.shape[0]
+            return acc.propose_coupled_topk(q, k, self.noise[:, depth].repeat_interleave(per_row, 0))
         return acc.sample_children_without_replacement(q, k, self.generator)
 
-    def verify(self, parents, tokens, valid, verified, draft_logp, target_logp, target_logits):
+    def verify_chain(self, draft_tokens, draft_logp, target_logp, target_logits):
+        """-> (accepted drafts (B,), the target's next token (B,))."""
+        if self.mode == "greedy":
+            return acc.verify_chain_greedy(draft_tokens, target_logits)
+        if self.mode == "coupled":
+            return acc.verify_chain_coupled(draft_tokens, target_logp, self.noise)
+        return acc.verify_chain_rejection(draft_tokens, draft_logp, target_logp, self.generator)
+
+    def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logp, target_logits):
+        """-> (accepted path (B, D+1), accepted drafts (B,), the target's next token (B,))."""
         if self.mode == "greedy":
             return acc.verify_tree_greedy(parents, tokens, verified, target_logits)
         if self.mode == "coupled":
-            return acc.verify_tree_coupled(parents, tokens, verified, target_logp, self.params.seed, self.rids,
-                                           self.first_step)
+            return acc.verify_tree_coupled(parents, tokens, verified, target_logp, self.noise)
         return acc.verify_tree_rejection(parents, tokens, valid, draft_logp, target_logp, self.generator,
                                          verified=verified)

@@ -16,7 +16,7 @@ import torch
 from helpers import chi2_pvalue
 
 from rollout import acceptance as acc
-from rollout.sampling import process_logits, sample
+from rollout.sampling import coupled_noise, process_logits, sample
 from rollout.tree import gather_path, select_nodes
 
 V = 6
@@ -309,26 +309,25 @@ def spec_coupled(p_logp, q_logp, request_ids, T, gamma=None, tree=None, gen=None
     while min(len(s) for s in seqs) < T:
         verifies += 1
         if gamma is not None:
+            noise = coupled_noise(SEED, request_ids, step, gamma + 1, V)  # (B, g+1, V)
             x, toks = prev, []
             for i in range(gamma):
-                x = acc.propose_coupled(q_logp[x], SEED, request_ids, step + i)
+                x = acc.propose_coupled(q_logp[x], noise[:, i])
                 toks.append(x)
             draft = torch.stack(toks, 1)  # (B, g)
-            n, nxt = acc.verify_chain_coupled(draft, p_logp[torch.cat([prev[:, None], draft], 1)], SEED,
-                                              request_ids, step)
+            n, nxt = acc.verify_chain_coupled(draft, p_logp[torch.cat([prev[:, None], draft], 1)], noise)
         else:
+            noise = coupled_noise(SEED, request_ids, step, 3, V)  # depths 0..2 of the tree
             if tree == "coupled":
-                c1, v1 = acc.propose_coupled_topk(q_logp[prev], 3, SEED, request_ids, step)
-                c2, v2 = acc.propose_coupled_topk(q_logp[c1].view(B * 3, V), 2, SEED,
-                                                  request_ids.repeat_interleave(3), (step + 1).repeat_interleave(3))
+                c1, v1 = acc.propose_coupled_topk(q_logp[prev], 3, noise[:, 0])
+                c2, v2 = acc.propose_coupled_topk(q_logp[c1].view(B * 3, V), 2, noise[:, 1].repeat_interleave(3, 0))
                 tokens = torch.cat([prev[:, None], c1, c2.view(B, 6)], 1)
                 valid = torch.cat([torch.ones(B, 1, dtype=torch.bool), v1, v2.view(B, 6) & v1.repeat_interleave(2, 1)], 1)
             else:
                 tokens = torch.cat([prev[:, None], torch.randint(0, V, (B, 9), generator=gen)], 1)
                 valid = torch.rand(B, 10, generator=gen) < 0.8
                 valid[:, 0] = True
-            path, n, nxt = acc.verify_tree_coupled(TREE_PARENTS.expand(B, -1), tokens, valid, p_logp[tokens],
-                                                   SEED, request_ids, step)
+            path, n, nxt = acc.verify_tree_coupled(TREE_PARENTS.expand(B, -1), tokens, valid, p_logp[tokens], noise)
             draft = gather_path(path, tokens)[:, 1:]
         for b in range(B):
             seqs[b] += draft[b, : n[b]].tolist() + [int(nxt[b])]
