@@ -78,7 +78,7 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
     "ci": DriftPreset(rl=_drift_rl("ci", rl_steps=4, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                    cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
                       eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8)),
-    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20),
+    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                      cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64),
 }
