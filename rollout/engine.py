@@ -2,7 +2,9 @@
 
 Requests are admitted into a fixed number of slots of a static KV cache; a finished slot
 is refilled from the queue at once (continuous batching), because RL rollouts have a long
-tail of few long answers. Each step decodes every active slot. With a speculative decoder
+tail of few long answers. Each step decodes every active slot; the prompts of requests just
+admitted ride along in the same forward (chunked-prefill style), so an admission does not
+cost a forward of its own. With a speculative decoder
 attached (rollout.speculative), a step drafts and verifies several tokens instead; the
 slot bookkeeping, stopping rules, log-probs and feature capture stay the same.
 
@@ -20,7 +22,7 @@ import torch
 
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
-from target_training.model import KVCache, MoETransformer
+from target_training.model import KVCache, ModelOutput, MoETransformer
 
 
 class PromptTooLongError(ValueError):
@@ -59,6 +61,17 @@ class SlotState:
     @property
     def last_token(self) -> int:
         return self.tokens[-1]
+
+
+@dataclass
+class Prefill:
+    """Newly admitted requests whose prompts still need their forward."""
+
+    slots: torch.Tensor  # (B,) cache slots
+    ids: torch.Tensor  # (B, T) prompts, right-padded
+    lens: torch.Tensor  # (B,) prompt lengths
+    states: list[SlotState]
+    done: bool = False
 
 
 class EmbeddedEngine:
@@ -105,25 +118,31 @@ class EmbeddedEngine:
         while pending or any(s is not None for s in slots):
             free = [i for i, s in enumerate(slots) if s is None]
             admit = [(i, pending.popleft()) for i in free[: len(pending)]]
-            if admit:
-                for i, st in admit:
-                    slots[i] = st
-                self._prefill(cache, admit, params, capture_features, spec)
-            active = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None]
+            for i, st in admit:
+                slots[i] = st
+            new = {i for i, _ in admit}
+            active = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None and i not in new]
+            prefill = self._plan_prefill(admit) if admit else None
+            if prefill is not None and not self._can_fuse(cache, active, prefill, slack):
+                # nothing to fuse with, or no room: prefill on its own; the new requests join this step
+                self._run_prefill(cache, prefill, params, capture_features, spec)
+                prefill = None
+                active = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None]
             if active:
                 act_states = [slots[i] for i in active]
                 t_step = time.perf_counter()
                 if spec is not None and spec.should_speculate(len(active)):
                     L = cache.lengths[torch.tensor(active)].clone()
                     try:
-                        result = spec.step(self, cache, active, act_states, params, capture_features)
+                        result = spec.step(self, cache, active, act_states, params, capture_features, prefill)
                         spec.observe(len(active), time.perf_counter() - t_step, result)
                     except Exception as err:  # draft-side failure: never stop the rollout
                         cache.rollback(torch.tensor(active), L)
                         spec.on_fault(err)
-                        self._decode_step(cache, active, act_states, params, capture_features, spec)
+                        self._decode_step(cache, active, act_states, params, capture_features, spec,
+                                          None if prefill is None or prefill.done else prefill)
                 else:
-                    self._decode_step(cache, active, act_states, params, capture_features, spec)
+                    self._decode_step(cache, active, act_states, params, capture_features, spec, prefill)
                     if spec is not None:
                         spec.observe(len(active), time.perf_counter() - t_step, None)
                 steps += 1
@@ -152,33 +171,83 @@ class EmbeddedEngine:
         return SlotState(index, int(request_id), prompt, min(params.max_new_tokens, room),
                          spec=SpecStats() if self.speculator is not None else None)
 
-    def _prefill(self, cache: KVCache, admit, params: SamplingParams, capture: bool, spec) -> None:
+    def _plan_prefill(self, admit) -> "Prefill":
         slot_ids = torch.tensor([i for i, _ in admit], device=self.device)
         lens = torch.tensor([len(s.prompt) for _, s in admit], device=self.device)
-        T = int(lens.max())
-        ids = torch.zeros(len(admit), T, dtype=torch.long, device=self.device)
+        ids = torch.zeros(len(admit), int(lens.max()), dtype=torch.long, device=self.device)
         for r, (_, s) in enumerate(admit):
             ids[r, : len(s.prompt)] = torch.tensor(s.prompt)
-        cache.reset(slot_ids)
-        out = self.model(ids, cache=cache, slots=slot_ids, tap_layers=self.tap_layers(capture, spec))
-        cache.rollback(slot_ids, lens)  # drop the right padding
-        rows = torch.arange(len(admit), device=self.device)
-        last_logits = out.logits[rows, lens - 1]  # (B, V)
-        states = [s for _, s in admit]
+        return Prefill(slot_ids, ids, lens, [s for _, s in admit])
+
+    def _can_fuse(self, cache: KVCache, active: list[int], prefill: "Prefill", slack: int) -> bool:
+        """Whether the prompts can ride along the step's forward: the step's rows are padded to
+        the longest prompt, so each must have that much room left in its slot."""
+        if not active:
+            return False
+        room = cache.max_len - int(cache.lengths[torch.tensor(active)].max())
+        return room >= max(prefill.ids.shape[1], slack, 1)
+
+    def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
+        cache.reset(prefill.slots)
+        out = self.model(prefill.ids, cache=cache, slots=prefill.slots, tap_layers=self.tap_layers(capture, spec))
+        self._finish_prefill(cache, prefill, out.logits, out, params, capture, spec)
+
+    def _finish_prefill(self, cache: KVCache, prefill: "Prefill", logits: torch.Tensor, out, params: SamplingParams,
+                        capture: bool, spec, rows=slice(None)) -> None:
+        """The prompts' forward is done (rows `rows` of `out`): drop the right padding, hand the
+        features on, and sample each request's first token from its last prompt position."""
+        cache.rollback(prefill.slots, prefill.lens)
+        lens = prefill.lens
+        last_logits = logits[torch.arange(len(prefill.states), device=self.device), lens - 1]  # (B, V)
         if capture or spec is not None:
-            feats = out.features(self.model.cfg.feature_layer_ids)  # (B, T, 3H)
+            feats = out.features(self.model.cfg.feature_layer_ids)[rows]  # (B, T, 3H)
             if capture:
-                for r, s in enumerate(states):
+                for r, s in enumerate(prefill.states):
                     s.features.append(feats[r, : len(s.prompt)].to(torch.float16).cpu())
             if spec is not None:
-                spec.on_prefill(slot_ids, ids, feats, lens)
-        self._emit(states, last_logits, params)
+                spec.on_prefill(prefill.slots, prefill.ids, feats, lens)
+        prefill.done = True
+        self._emit(prefill.states, last_logits, params)
+
+    def forward(self, cache: KVCache, slots: torch.Tensor, ids: torch.Tensor, params: SamplingParams, capture: bool,
+                spec, prefill: "Prefill | None" = None, positions=None, attn_mask=None) -> ModelOutput:
+        """The target forward of one engine step for rows `slots` (ids (B, T); positions and
+        attn_mask as in MoETransformer.forward), taps on when features are wanted.
+
+        With `prefill`, the prompts of newly admitted requests ride along in the same forward
+        (chunked-prefill style): every row is padded to the longest block, the padding is rolled
+        back, and the new requests get their first token. One forward instead of two, which on a
+        small or overhead-bound model is most of an admission's cost. The returned output and the
+        slots' cache lengths are exactly what the unfused call would leave."""
+        taps = self.tap_layers(capture, spec)
+        if prefill is None:
+            return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask, tap_layers=taps)
+        B, T = ids.shape
+        n_new, T_new = prefill.ids.shape
+        W = max(T, T_new)
+        start = cache.lengths[slots]  # (B,)
+        all_ids = torch.zeros(B + n_new, W, dtype=torch.long, device=ids.device)
+        all_ids[:B, :T], all_ids[B:, :T_new] = ids, prefill.ids
+        all_pos = torch.cat([start, torch.zeros_like(prefill.lens)])[:, None] + torch.arange(W, device=ids.device)
+        if positions is not None:
+            all_pos[:B, :T] = positions
+        mask = None
+        if attn_mask is not None:  # the step's own mask in its corner, causal everywhere else
+            mask = torch.ones(W, W, dtype=torch.bool, device=ids.device).tril().repeat(B + n_new, 1, 1)
+            mask[:B, :T, :T] = attn_mask
+        cache.reset(prefill.slots)
+        out = self.model(all_ids, cache=cache, slots=torch.cat([slots, prefill.slots]), positions=all_pos,
+                         attn_mask=mask, tap_layers=taps)
+        cache.rollback(slots, start + T)
+        self._finish_prefill(cache, prefill, out.logits[B:], out, params, capture, spec, rows=slice(B, None))
+        return ModelOutput(logits=out.logits[:B, :T], hidden=out.hidden[:B, :T],
+                           taps={k: v[:B, :T] for k, v in out.taps.items()})
 
     def _decode_step(self, cache: KVCache, active: list[int], states: list[SlotState], params: SamplingParams,
-                     capture: bool, spec=None) -> None:
+                     capture: bool, spec=None, prefill: "Prefill | None" = None) -> None:
         slot_ids = torch.tensor(active, device=self.device)
         ids = torch.tensor([[s.last_token] for s in states], device=self.device)
-        out = self.model(ids, cache=cache, slots=slot_ids, tap_layers=self.tap_layers(capture, spec))
+        out = self.forward(cache, slot_ids, ids, params, capture, spec, prefill)
         if capture:
             feats = out.features(self.model.cfg.feature_layer_ids)
             for r, s in enumerate(states):

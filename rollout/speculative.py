@@ -138,7 +138,10 @@ class SpecSession:
             self.pending[s].append(feats[r])
 
     # -- one speculative step ------------------------------------------------------------
-    def step(self, engine, cache, active: list[int], states, params: SamplingParams, capture: bool) -> dict:
+    def step(self, engine, cache, active: list[int], states, params: SamplingParams, capture: bool,
+             prefill=None) -> dict:
+        """Draft, verify and accept for the active slots; `prefill` (newly admitted prompts) rides
+        along in the verify forward (EmbeddedEngine.forward)."""
         slots = torch.tensor(active, device=cache.lengths.device)
         L = cache.lengths[slots]  # (B,)
         depth = self.depth()  # the caches carry `block_slack` spare positions for the verify block
@@ -152,7 +155,7 @@ class SpecSession:
             tokens, draft_logp = self._draft_chain(slots, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
             self.cache.rollback(slots, L)
             block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
-            out = engine.model(block_tokens, cache=cache, slots=slots, tap_layers=taps)
+            out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill)
             n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, ctx.process(out.logits), out.logits)
             steps = torch.arange(depth + 1, device=slots.device)
             path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
@@ -165,8 +168,8 @@ class SpecSession:
             block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
             block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
             depths = node_depths(block_parents)  # (B, N)
-            out = engine.model(block_tokens, cache=cache, slots=slots, positions=L[:, None] + depths,
-                               attn_mask=tree_attention_mask(block_parents, block_verified), tap_layers=taps)
+            out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
+                                 positions=L[:, None] + depths, attn_mask=tree_attention_mask(block_parents, block_verified))
             path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
                                                     draft_logp, ctx.process(out.logits), out.logits)
             drafted_depths = depths.masked_fill(~block_valid, 0).max(1).values  # (B,)

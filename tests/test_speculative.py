@@ -138,3 +138,36 @@ def test_tree_explores_siblings(tiny_model):
         assert [t.token_ids for t in out] == [t.token_ids for t in plain]
         accepted[name] = sum(t.spec.accepted for t in out)
     assert accepted["tree"] > 2 * accepted["chain"]
+
+
+@pytest.mark.parametrize("mode", [None, "chain", "tree"])
+def test_prefill_fused_into_the_step_changes_nothing(sft_policy, offline_draft, mode, monkeypatch):
+    """Admitted prompts ride along in the step's forward (EmbeddedEngine.forward) unless a slot
+    lacks the room; fused or not, tokens, log-probs and captured features are the same."""
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 24)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    draft = offline_draft if mode else None
+    fused_calls, refused = [], []
+    can_fuse = EmbeddedEngine._can_fuse
+
+    def spy(self, cache, active, prefill, slack):
+        ok = can_fuse(self, cache, active, prefill, slack)
+        (fused_calls if ok else refused).append(len(active))
+        return ok
+
+    monkeypatch.setattr(EmbeddedEngine, "_can_fuse", spy)
+    # a short context window, so late in a request the slot lacks room and fusion is refused
+    cfg = EngineConfig(max_batch=4, max_len=len(max(prompts, key=len)) + 30)
+    spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
+    fused = EmbeddedEngine(policy, cfg, speculator=spec).generate(prompts, params, capture_features=True)
+    assert fused_calls
+    if mode != "tree":  # a tree's cache slack (every drafted candidate) always leaves room for a prompt
+        assert any(refused)  # both paths ran (refusals with nothing active do not count)
+    monkeypatch.setattr(EmbeddedEngine, "_can_fuse", lambda *a: False)
+    apart = EmbeddedEngine(policy, cfg, speculator=spec).generate(prompts, params, capture_features=True)
+    assert [t.token_ids for t in fused] == [t.token_ids for t in apart]
+    for a, b in zip(fused, apart):
+        assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
+        assert a.features.shape == b.features.shape
+        assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
