@@ -49,7 +49,7 @@ class RunPreset:
 
 # Co-training of the drift runs: one draft update (12 sequences, 4 TTT steps) per RL step, a fixed
 # count so runs are reproducible (the time budget is left wide so it never cuts a burst short;
-# the drift experiment measures what the update adds to the RL step: 4.5% on the 2-core CPU).
+# the drift experiment measures what the update adds to the RL step: 4.9% on the 2-core CPU).
 # Training samples come from the last 4 policy versions. Chains of 6 drafts: as fast as 5 for a fresh
 # draft on the 2-core CPU (x1.21 vs x1.22), and the positions a stale draft wastes show in the speed-up.
 DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_source="trainer", max_draft_steps=1,
