@@ -338,6 +338,26 @@ def _qkv_split(w, cfg: MoEConfig):
             g[:, (per + 1) * D:].reshape(-1, H))
 
 
+def _renamed(cfg: MoEConfig) -> list[tuple[str, str]]:
+    """(specrl name, Megatron name) of every tensor that only changes its name; the fused QKV
+    and MLP input projections and the stacked experts are converted by hand in each direction."""
+    pairs = [("embed_tokens.weight", "embedding.word_embeddings.weight"), ("norm.weight", "decoder.final_layernorm.weight")]
+    if not cfg.tie_embeddings:
+        pairs.append(("lm_head.weight", "output_layer.weight"))
+    for i in range(cfg.num_layers):
+        s, m = f"layers.{i}.", f"decoder.layers.{i}."
+        layer = [("input_layernorm.weight", "input_layernorm.weight"),
+                 ("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
+                 ("post_attention_layernorm.weight", "pre_mlp_layernorm.weight")]
+        if _qk_norm(cfg):
+            layer += [("self_attn.q_norm.weight", "self_attention.q_layernorm.weight"),
+                      ("self_attn.k_norm.weight", "self_attention.k_layernorm.weight")]
+        layer.append(("mlp.gate.weight", "mlp.router.weight") if _is_moe_layer(cfg, i)
+                     else ("mlp.down_proj.weight", "mlp.linear_fc2.weight"))
+        pairs += [(s + a, m + b) for a, b in layer]
+    return pairs
+
+
 def specrl_to_megatron(sd: dict[str, torch.Tensor], cfg: MoEConfig, *, ep_rank: int = 0,
                        ep_size: int = 1) -> dict[str, torch.Tensor]:
     """specrl MoETransformer state dict -> GPTModel state dict (tensor_parallel 1).
@@ -348,22 +368,12 @@ def specrl_to_megatron(sd: dict[str, torch.Tensor], cfg: MoEConfig, *, ep_rank: 
         raise MegatronBackendError(f"bad expert-parallel slice: rank {ep_rank} of {ep_size} for "
                                    f"{cfg.num_experts} experts")
     e_local = cfg.num_experts // ep_size
-    out = {"embedding.word_embeddings.weight": sd["embed_tokens.weight"],
-           "decoder.final_layernorm.weight": sd["norm.weight"]}
-    if not cfg.tie_embeddings:
-        out["output_layer.weight"] = sd["lm_head.weight"]
+    out = {m: sd[k] for k, m in _renamed(cfg)}
     for i in range(cfg.num_layers):
         s, m = f"layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = sd[s + "input_layernorm.weight"]
         out[m + "self_attention.linear_qkv.weight"] = _qkv_fuse(
             sd[s + "self_attn.q_proj.weight"], sd[s + "self_attn.k_proj.weight"], sd[s + "self_attn.v_proj.weight"], cfg)
-        out[m + "self_attention.linear_proj.weight"] = sd[s + "self_attn.o_proj.weight"]
-        if _qk_norm(cfg):
-            out[m + "self_attention.q_layernorm.weight"] = sd[s + "self_attn.q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = sd[s + "self_attn.k_norm.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = sd[s + "post_attention_layernorm.weight"]
         if _is_moe_layer(cfg, i):
-            out[m + "mlp.router.weight"] = sd[s + "mlp.gate.weight"]
             wg, wu, wd = sd[s + "mlp.w_gate"], sd[s + "mlp.w_up"], sd[s + "mlp.w_down"]  # (E, I, H), (E, H, I)
             for j in range(e_local):
                 e = ep_rank * e_local + j
@@ -372,29 +382,21 @@ def specrl_to_megatron(sd: dict[str, torch.Tensor], cfg: MoEConfig, *, ep_rank: 
                 out[x + "linear_fc2.weight"] = wd[e]
         else:
             out[m + "mlp.linear_fc1.weight"] = torch.cat([sd[s + "mlp.gate_proj.weight"], sd[s + "mlp.up_proj.weight"]], 0)
-            out[m + "mlp.linear_fc2.weight"] = sd[s + "mlp.down_proj.weight"]
     return out
 
 
 def megatron_to_specrl(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str, torch.Tensor]:
     """GPTModel state dict (tensor_parallel 1, all experts local) -> specrl state dict."""
     sd = {k: v for k, v in sd.items() if not k.endswith("_extra_state")}
-    out = {"embed_tokens.weight": sd["embedding.word_embeddings.weight"],
-           "norm.weight": sd["decoder.final_layernorm.weight"],
-           "lm_head.weight": sd["embedding.word_embeddings.weight"] if cfg.tie_embeddings else sd["output_layer.weight"]}
+    out = {k: sd[m] for k, m in _renamed(cfg)}
+    if cfg.tie_embeddings:
+        out["lm_head.weight"] = sd["embedding.word_embeddings.weight"]
     I = cfg.expert_intermediate_size
     for i in range(cfg.num_layers):
         s, m = f"layers.{i}.", f"decoder.layers.{i}."
-        out[s + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
         q, k, v = _qkv_split(sd[m + "self_attention.linear_qkv.weight"], cfg)
         out[s + "self_attn.q_proj.weight"], out[s + "self_attn.k_proj.weight"], out[s + "self_attn.v_proj.weight"] = q, k, v
-        out[s + "self_attn.o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
-        if _qk_norm(cfg):
-            out[s + "self_attn.q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
-            out[s + "self_attn.k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
-        out[s + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
         if _is_moe_layer(cfg, i):
-            out[s + "mlp.gate.weight"] = sd[m + "mlp.router.weight"]
             fc1 = [sd[f"{m}mlp.experts.local_experts.{e}.linear_fc1.weight"] for e in range(cfg.num_experts)]
             out[s + "mlp.w_gate"] = torch.stack([w[:I] for w in fc1])
             out[s + "mlp.w_up"] = torch.stack([w[I:] for w in fc1])
@@ -404,7 +406,6 @@ def megatron_to_specrl(sd: dict[str, torch.Tensor], cfg: MoEConfig) -> dict[str,
             fc1 = sd[m + "mlp.linear_fc1.weight"]
             half = fc1.shape[0] // 2
             out[s + "mlp.gate_proj.weight"], out[s + "mlp.up_proj.weight"] = fc1[:half], fc1[half:]
-            out[s + "mlp.down_proj.weight"] = sd[m + "mlp.linear_fc2.weight"]
     return out
 
 
