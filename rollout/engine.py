@@ -190,15 +190,15 @@ class EmbeddedEngine:
     def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
         cache.reset(prefill.slots)
         out = self.model(prefill.ids, cache=cache, slots=prefill.slots, tap_layers=self.tap_layers(capture, spec))
-        self._finish_prefill(cache, prefill, out.logits, out, params, capture, spec)
+        self._finish_prefill(cache, prefill, out, params, capture, spec)
 
-    def _finish_prefill(self, cache: KVCache, prefill: "Prefill", logits: torch.Tensor, out, params: SamplingParams,
-                        capture: bool, spec, rows=slice(None)) -> None:
+    def _finish_prefill(self, cache: KVCache, prefill: "Prefill", out, params: SamplingParams, capture: bool, spec,
+                        rows=slice(None)) -> None:
         """The prompts' forward is done (rows `rows` of `out`): drop the right padding, hand the
         features on, and sample each request's first token from its last prompt position."""
         cache.rollback(prefill.slots, prefill.lens)
         lens = prefill.lens
-        last_logits = logits[torch.arange(len(prefill.states), device=self.device), lens - 1]  # (B, V)
+        last_logits = out.logits[rows][torch.arange(len(prefill.states), device=self.device), lens - 1]  # (B, V)
         if capture or spec is not None:
             feats = out.features(self.model.cfg.feature_layer_ids)[rows]  # (B, T, 3H)
             if capture:
@@ -239,7 +239,7 @@ class EmbeddedEngine:
         out = self.model(all_ids, cache=cache, slots=torch.cat([slots, prefill.slots]), positions=all_pos,
                          attn_mask=mask, tap_layers=taps)
         cache.rollback(slots, start + T)
-        self._finish_prefill(cache, prefill, out.logits[B:], out, params, capture, spec, rows=slice(B, None))
+        self._finish_prefill(cache, prefill, out, params, capture, spec, rows=slice(B, None))
         return ModelOutput(logits=out.logits[:B, :T], hidden=out.hidden[:B, :T],
                            taps={k: v[:B, :T] for k, v in out.taps.items()})
 

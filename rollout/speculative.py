@@ -156,7 +156,7 @@ class SpecSession:
             self.cache.rollback(slots, L)
             block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
             out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill)
-            n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, ctx.process(out.logits), out.logits)
+            n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
             steps = torch.arange(depth + 1, device=slots.device)
             path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
             drafted_depths = torch.full_like(n_acc, depth)
@@ -171,7 +171,7 @@ class SpecSession:
             out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
                                  positions=L[:, None] + depths, attn_mask=tree_attention_mask(block_parents, block_verified))
             path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
-                                                    draft_logp, ctx.process(out.logits), out.logits)
+                                                    draft_logp, out.logits)
             drafted_depths = depths.masked_fill(~block_valid, 0).max(1).values  # (B,)
         # keep the accepted path's KV entries contiguous after position L
         src, n_keep = accepted_kv_positions(path, L)
@@ -377,19 +377,20 @@ class _Sampling:
             return acc.propose_coupled_topk(q, k, self.noise[:, depth].repeat_interleave(per_row, 0))
         return acc.sample_children_without_replacement(q, k, self.generator)
 
-    def verify_chain(self, draft_tokens, draft_logp, target_logp, target_logits):
-        """-> (accepted drafts (B,), the target's next token (B,))."""
+    def verify_chain(self, draft_tokens, draft_logp, target_logits):
+        """-> (accepted drafts (B,), the target's next token (B,)). Greedy reads the raw logits;
+        the sampled modes the processed distribution."""
         if self.mode == "greedy":
             return acc.verify_chain_greedy(draft_tokens, target_logits)
         if self.mode == "coupled":
-            return acc.verify_chain_coupled(draft_tokens, target_logp, self.noise)
-        return acc.verify_chain_rejection(draft_tokens, draft_logp, target_logp, self.generator)
+            return acc.verify_chain_coupled(draft_tokens, self.process(target_logits), self.noise)
+        return acc.verify_chain_rejection(draft_tokens, draft_logp, self.process(target_logits), self.generator)
 
-    def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logp, target_logits):
+    def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logits):
         """-> (accepted path (B, D+1), accepted drafts (B,), the target's next token (B,))."""
         if self.mode == "greedy":
             return acc.verify_tree_greedy(parents, tokens, verified, target_logits)
         if self.mode == "coupled":
-            return acc.verify_tree_coupled(parents, tokens, verified, target_logp, self.noise)
-        return acc.verify_tree_rejection(parents, tokens, valid, draft_logp, target_logp, self.generator,
-                                         verified=verified)
+            return acc.verify_tree_coupled(parents, tokens, verified, self.process(target_logits), self.noise)
+        return acc.verify_tree_rejection(parents, tokens, valid, draft_logp, self.process(target_logits),
+                                         self.generator, verified=verified)
