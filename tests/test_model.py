@@ -92,3 +92,27 @@ def test_overflow_and_bad_mask_errors(tiny_model, tiny_cfg):
         tiny_model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="attn_mask"):
         tiny_model(torch.zeros(1, 4, dtype=torch.long), attn_mask=torch.ones(1, 3, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 8, 33, 130, 600])
+def test_sorted_and_masked_expert_dispatch_are_bitwise_equal(n_tokens, monkeypatch):
+    from target_training.model import MoE
+    torch.manual_seed(n_tokens)
+    cfg = model_config_for("quick", 96)
+    moe = MoE(cfg)
+    x = torch.randn(1, n_tokens, cfg.hidden_size)
+    monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 10**9)
+    sorted_out, (sorted_aux, sorted_counts) = moe(x)
+    monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 0)
+    masked_out, (masked_aux, masked_counts) = moe(x)
+    assert torch.equal(sorted_out, masked_out)
+    assert torch.equal(sorted_aux, masked_aux) and torch.equal(sorted_counts, masked_counts)
+    # the gradients the policy trainer sees do not depend on the dispatch either
+    grads = []
+    for limit in (10**9, 0):
+        monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", limit)
+        moe.zero_grad()
+        moe(x)[0].square().sum().backward()
+        grads.append([p.grad.clone() for p in (moe.w_gate, moe.w_up, moe.w_down, moe.gate.weight)])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=0, atol=1e-6)
