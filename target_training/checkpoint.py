@@ -192,9 +192,7 @@ def atomic_write_dir(out_dir: str | os.PathLike, write_fn) -> Path:
                 raise OSError(errno.ENOSPC, f"cannot write the checkpoint (disk full?): "
                                             f"{str(e).splitlines()[0]}", str(out)) from None
             raise
-        files = sorted(p.name for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-        manifest = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        write_manifest(tmp)
         _fsync_tree(tmp)
         _step("written")
         version = _new_version_name(out)
@@ -213,6 +211,13 @@ def atomic_write_dir(out_dir: str | os.PathLike, write_fn) -> Path:
     recover_dir(out)  # the previous version and any orphans
     _step("cleaned")
     return out
+
+
+def write_manifest(path: Path) -> None:
+    """manifest.json: SHA-256 and size of every other file in the folder (policy and draft checkpoints)."""
+    files = sorted(p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {name: {"sha256": _sha256(path / name), "bytes": (path / name).stat().st_size} for name in files}
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
 
 
 def verify_dir(path: str | os.PathLike) -> dict:
