@@ -108,6 +108,14 @@ def prepare_run_dir(out: Path, resume: bool, log=print) -> None:
     if resume and not has_run:
         raise RunDirError(f"--resume given but {out} holds no run")
     out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
+
+
+def check_writable(folder: Path) -> None:
+    """Fail now, with the path and the reason (read-only, permission), rather than after training."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
 
 
 def run_identity(task_name: str, preset: RunPreset, preset_name: str, seed: int, spec: str) -> dict:
@@ -155,12 +163,15 @@ def json_safe(value):
 def append_row(path: Path, row: dict) -> None:
     """One metrics row as one write(2) on an O_APPEND file: a kill leaves the line whole or absent."""
     data = (json.dumps(json_safe(row), allow_nan=False) + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        while data:
-            data = data[os.write(fd, data):]
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
+    except OSError as e:  # os.write names no file
+        raise OSError(e.errno, e.strerror, str(path)) from None
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -249,6 +260,8 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
         write_identity(out, identity)
     torch.manual_seed(seed)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(cache_dir)
     tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
     trainer = GRPOTrainer(policy, preset.grpo)

@@ -187,10 +187,14 @@ def atomic_write_dir(out_dir: str | os.PathLike, write_fn) -> Path:
     try:
         try:
             write_fn(tmp)
-        except RuntimeError as e:  # torch.save reports a full disk as a RuntimeError
-            if "iostream error" in str(e) or "write failed" in str(e) or "PytorchStreamWriter" in str(e):
+        except OSError:
+            raise
+        except Exception as e:  # torch.save and safetensors report a full disk as their own errors
+            text = str(e)
+            if any(t in text for t in ("iostream error", "write failed", "PytorchStreamWriter", "No space left",
+                                       "os error 28")):
                 raise OSError(errno.ENOSPC, f"cannot write the checkpoint (disk full?): "
-                                            f"{str(e).splitlines()[0]}", str(out)) from None
+                                            f"{text.splitlines()[0]}", str(out)) from None
             raise
         write_manifest(tmp)
         _fsync_tree(tmp)

@@ -22,7 +22,7 @@ def _err_line(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nope"], "unknown task"),
     (["--preset", "huge"], "unknown preset"),
-    (["--steps", "0"], "--steps must be positive"),
+    (["--steps", "0"], "--steps must be in [1, 1000000], got 0"),
 ])
 def test_bad_input_exit_2(tmp_path, cache, capsys, argv, match):
     code = main(["train-rl", "--out", str(tmp_path / "r"), "--cache-dir", str(cache), "--no-progress", *argv])
