@@ -255,3 +255,19 @@ def test_damaged_cached_offline_draft_does_not_block_resume(online_run, tmp_path
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and rows[1]["train/draft_version"] > rows[0]["train/draft_version"]
     assert "training it again" in capsys.readouterr().out
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path):
+    """metrics.jsonl used to carry bare NaN, which is not JSON."""
+    from specrl.train_rl import append_row, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    append_row(path, {"step": 0, "train/draft_loss": float("nan"), "x": [1.0, float("inf")], "y": {"z": -float("inf")}})
+
+    def strict(token):
+        raise ValueError(f"non-JSON constant {token}")
+
+    line = path.read_text()
+    assert json.loads(line, parse_constant=strict) == {"step": 0, "train/draft_loss": None, "x": [1.0, None],
+                                                       "y": {"z": None}}
+    assert read_metrics(path)[0]["train/draft_loss"] is None
