@@ -254,10 +254,10 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     identity = run_identity(task_name, preset, preset_name, seed, spec)
     if resume and (out / RUN_FILE).exists():
         check_identity(out, identity)  # before anything is trained or written
-    if resume and (out / "metrics.jsonl").exists():
-        read_metrics(out / "metrics.jsonl")  # a damaged line is named now, not after the SFT warm start
     else:
         write_identity(out, identity)
+    if resume and (out / "metrics.jsonl").exists():
+        read_metrics(out / "metrics.jsonl")  # a damaged line is named now, not after the SFT warm start
     torch.manual_seed(seed)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
