@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--cache-dir", type=Path, default=None)
+    ap.add_argument("--only", default=None, help="run only the rows whose label contains one of these comma-separated texts")
     args = ap.parse_args(argv)
     if args.out.exists():
         shutil.rmtree(args.out)
@@ -71,6 +72,8 @@ def main(argv=None) -> int:
     rows = []
 
     def row(label: str, cmd, folder: Path | None = None, shell=False):
+        if args.only and not any(o in label for o in args.only.split(",")):
+            return
         before = _fingerprint(folder) if folder is not None and folder.exists() else None
         code, err, out = _run(cmd, env, shell=shell)
         intact = None
@@ -118,22 +121,26 @@ def main(argv=None) -> int:
     row("damaged cached offline draft, --resume (should succeed)",
         _specrl("train-rl", "--preset", "ci", "--cache-dir", dcache, "--no-progress", *resume, "--out", r))
 
-    # real EROFS and ENOSPC on a private tmpfs
+    # real EROFS and ENOSPC on a private tmpfs (scripts in files: no nested shell quoting)
     if shutil.which("unshare"):
         mnt = w / "mnt"
         mnt.mkdir()
+        verify = w / "verify.py"
+        verify.write_text("import sys\nfrom target_training.checkpoint import load_checkpoint\n"
+                          "print('kept checkpoint at step', load_checkpoint(sys.argv[1])[3]['trainer']['step'])\n")
         r = copy_run("ro-src")
         cmd = " ".join(_specrl("train-rl", *common, *resume, "--out", mnt / "run"))
-        verify = (f"{PY} -c \"from target_training.checkpoint import load_checkpoint as L; "
-                  f"print('kept checkpoint at step', L('{mnt}/run/ckpt')[3]['trainer']['step'])\"")
-        row("--out on a read-only filesystem (EROFS), --resume",
-            f"unshare -m sh -c 'mount -t tmpfs -o size=64m tmpfs {mnt} && cp -a {r} {mnt}/run && "
-            f"mount -o remount,ro {mnt} && {cmd}; code=$?; {verify}; exit $code'", shell=True)
+        script = w / "erofs.sh"
+        script.write_text(f"mount -t tmpfs -o size=64m tmpfs {mnt} && cp -a {r} {mnt}/run && "
+                          f"mount -o remount,ro {mnt} || exit 99\n{cmd}\ncode=$?\n"
+                          f"{PY} {verify} {mnt}/run/ckpt\nexit $code\n")
+        row("--out on a read-only filesystem (EROFS), --resume", ["unshare", "-m", "sh", str(script)])
         size = int(ckpt_bytes * 1.6)
         cmd = " ".join(_specrl("train-rl", *common, "--spec", "online", "--steps", 3, "--out", mnt / "run"))
-        row(f"full disk during the 2nd checkpoint save (tmpfs {size // 1024} KiB)",
-            f"unshare -m sh -c 'mount -t tmpfs -o size={size} tmpfs {mnt} && {cmd}; code=$?; "
-            f"{verify}; exit $code'", shell=True)
+        script = w / "enospc.sh"
+        script.write_text(f"mount -t tmpfs -o size={size} tmpfs {mnt} || exit 99\n{cmd}\ncode=$?\n"
+                          f"{PY} {verify} {mnt}/run/ckpt\nexit $code\n")
+        row(f"full disk during the 2nd checkpoint save (tmpfs {size // 1024} KiB)", ["unshare", "-m", "sh", str(script)])
 
     api = [
         ("SpecConfig(gamma=10**7)", "from rollout.speculative import SpecConfig as C; C(gamma=10**7)"),
@@ -164,7 +171,7 @@ def main(argv=None) -> int:
     for r in rows:
         intact = "" if r["saved_intact"] is None else ("yes" if r["saved_intact"] else "NO")
         msg = r["stderr"].replace("|", "\\|")
-        print(f"| {r['input']} | {r['exit']} | {r['stderr_lines']} | {msg} | {intact} | {r['stdout_tail'][:90]} |")
+        print(f"| {r['input']} | {r['exit']} | {r['stderr_lines']} | {msg} | {intact} | {r['stdout_tail'][:160]} |")
     return 0
 
 

@@ -105,9 +105,11 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rng", type=int, default=1234, help="seed of the kill moments")
     ap.add_argument("--cache-dir", type=Path, default=None)
+    ap.add_argument("--reference", type=Path, default=None, help="reuse this finished reference run")
+    ap.add_argument("--reference-seconds", type=float, default=None, help="its wall time")
     args = ap.parse_args(argv)
     args.cache_dir = args.cache_dir or args.out / "cache"
-    if args.out.exists():
+    if args.out.exists() and args.out != args.reference:
         shutil.rmtree(args.out)
     args.out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -118,11 +120,18 @@ def main(argv=None) -> int:
         warm = _cmd(args.out / "warm-up", args, False)
         warm[warm.index("--steps") + 1] = "1"
         subprocess.run(warm, env=env, check=True, capture_output=True)
-    ref = args.out / "reference"
-    t0 = time.perf_counter()
-    subprocess.run(_cmd(ref, args, False), env=env, check=True, capture_output=True)
-    t_ref = time.perf_counter() - t0
-    print(f"reference run: {t_ref:.1f}s for {args.steps} steps (caches warm)", flush=True)
+    if args.reference is not None:  # a finished reference run of the same command and code
+        ref, t_ref = args.reference, args.reference_seconds
+    else:
+        ref = args.out / "reference"
+        t0 = time.perf_counter()
+        subprocess.run(_cmd(ref, args, False), env=env, check=True, capture_output=True)
+        t_ref = time.perf_counter() - t0
+    step_s = [json.loads(x)["step_s"] for x in (ref / "metrics.jsonl").read_text().splitlines()]
+    t_step = sorted(step_s)[len(step_s) // 2]
+    t_start = max(1.0, (t_ref - sum(step_s)) / 2)  # start-up (+ first evaluation); the end evaluation is alike
+    print(f"reference run: {t_ref:.1f}s for {args.steps} steps (caches warm); step {t_step:.1f}s, "
+          f"start-up about {t_start:.1f}s", flush=True)
 
     run = args.out / "killed"
     kills, attempts, log = 0, 0, []
@@ -132,14 +141,15 @@ def main(argv=None) -> int:
         kind = "rename" if (kills % 2 == 1 and strace) else "timer"
         cmd = _cmd(run, args, resume)
         if kind == "rename":
-            n = rng.randint(1, 5)
+            n = rng.randint(1, 3)  # on resume: the metrics truncation, then the first save's two renames
             cmd = [strace, "-f", "-qq", "-o", "/dev/null", "-e", "trace=rename,renameat,renameat2",
                    "-e", f"inject=rename,renameat,renameat2:signal=KILL:when={n}"] + cmd
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             out, err = proc.communicate()
             where = f"at rename #{n}"
         else:
-            delay = rng.uniform(0.5, 0.6 * t_ref)  # start-up included: the run is killed anywhere
+            # start-up included; at most about half a step of progress per kill, so that 20 kills fit in the run
+            delay = rng.uniform(0.5, t_start + 0.5 * t_step)
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             try:
                 out, err = proc.communicate(timeout=delay)
