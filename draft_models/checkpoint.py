@@ -4,8 +4,12 @@
   out_dir/model.safetensors    fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
                                (no embedding: the draft reads the target's)
 
+  out_dir/manifest.json        SHA-256 and size of both files (an extra file the engines ignore;
+                               drafts from other trainers without one still load)
+
 `save_draft` writes a sibling temporary folder and swaps it in with renames, so an existing
-checkpoint is never half-overwritten. `load_draft` checks the draft against the target it
+checkpoint is never half-overwritten. `load_draft` verifies the manifest when there is one, so
+a flipped byte in the weights is refused rather than loaded. `load_draft` checks the draft against the target it
 will run with and raises DraftCheckpointError with a one-line message naming what is wrong.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from draft_models.config import Eagle3Config, Eagle3ConfigError
 from draft_models.eagle3 import Eagle3Draft
 from draft_models.vocab import check_vocab
+from target_training.checkpoint import MANIFEST, CheckpointError, verify_dir, write_manifest
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -67,6 +72,7 @@ def save_draft(draft: Eagle3Draft, out_dir: str | os.PathLike) -> Path:
             json.dump(cfg, f, indent=2)
             f.flush()
             os.fsync(f.fileno())
+        write_manifest(tmp)
         if out.exists():
             os.rename(out, old)  # keep the previous checkpoint until the new one is in place
         try:
@@ -126,6 +132,11 @@ def load_draft(path: str | os.PathLike, target_model, device=None, dtype=None) -
     root = Path(path)
     if not root.is_dir():
         raise DraftCheckpointError(f"{root}: no such draft checkpoint folder")
+    if (root / MANIFEST).exists():
+        try:
+            verify_dir(root)
+        except CheckpointError as e:
+            raise DraftCheckpointError(f"draft {e}") from None
     tcfg = target_model.cfg
     cfg = read_draft_config(root, default_aux_layer_ids=tcfg.feature_layer_ids)
     check_draft_against_target(cfg, tcfg, root / CONFIG_NAME)

@@ -29,6 +29,9 @@ class PromptTooLongError(ValueError):
     pass
 
 
+MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
+
+
 @dataclass
 class EngineConfig:
     max_batch: int = 16  # slots in the KV cache
@@ -36,8 +39,8 @@ class EngineConfig:
     sampling_mode: str = "coupled"  # "coupled" (counter-based Gumbel) or "rng" (torch generator)
 
     def __post_init__(self) -> None:
-        if self.max_batch <= 0:
-            raise ValueError(f"EngineConfig.max_batch must be positive, got {self.max_batch}")
+        if not 0 < self.max_batch <= MAX_BATCH:
+            raise ValueError(f"EngineConfig.max_batch must be in [1, {MAX_BATCH}], got {self.max_batch}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"EngineConfig.max_len must be positive, got {self.max_len}")
         if self.sampling_mode not in ("coupled", "rng"):

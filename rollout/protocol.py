@@ -5,10 +5,14 @@ speculative engine and the SGLang backend drop in without the trainer noticing.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 import torch
+
+
+MAX_NEW_TOKENS = 1 << 20  # bounds the KV cache an engine sizes from it
 
 
 @dataclass
@@ -22,14 +26,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.temperature, (int, float)) or not (math.isfinite(self.temperature)
+                                                                   and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if not 0 < self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be in [1, {MAX_NEW_TOKENS}], got {self.max_new_tokens}")
 
     @property
     def greedy(self) -> bool:

@@ -26,6 +26,13 @@ from rollout.sampling import coupled_noise, policy_logprobs, process_logits
 from rollout.tree import accepted_kv_positions, gather_path, node_depths, select_nodes, tree_attention_mask
 
 
+# Upper bounds, checked before any draft cache is sized from them: a draft cache holds up to
+# 1 + topk + (depth - 1) * topk**2 positions per slot, so larger values only exhaust memory.
+MAX_SPEC_DEPTH = 64
+MAX_TREE_TOPK = 16
+MAX_TREE_BUDGET = 1024
+
+
 @dataclass
 class SpecConfig:
     mode: str = "chain"  # "chain" or "tree"
@@ -36,9 +43,10 @@ class SpecConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("chain", "tree"):
             raise ValueError(f"SpecConfig.mode must be 'chain' or 'tree', got {self.mode!r}")
-        for name in ("gamma", "tree_topk", "tree_budget"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"SpecConfig.{name} must be positive, got {getattr(self, name)}")
+        for name, most in (("gamma", MAX_SPEC_DEPTH), ("tree_topk", MAX_TREE_TOPK), ("tree_budget", MAX_TREE_BUDGET)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most:
+                raise ValueError(f"SpecConfig.{name} must be an integer in [1, {most}], got {v!r}")
 
 
 class Speculator:

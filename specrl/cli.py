@@ -1,4 +1,11 @@
-"""The `specrl` command. Bad input ends with one line on stderr and exit code 2."""
+"""The `specrl` command. Bad input ends with one line on stderr and exit code 2.
+
+One error path for all of it: ValueError (config, input and checkpoint errors), every OSError
+(a file where a folder should be, a read-only or full disk, ...; named with its path), and the
+few OS failures libraries report as other types (torch reports a full disk while saving as a
+RuntimeError). Checks that need no work run first, so nothing is trained before a bad argument
+is refused; saves are atomic (target_training.checkpoint), so a failure leaves what was saved.
+"""
 from __future__ import annotations
 
 import argparse
@@ -54,22 +61,56 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_ints(text: str, what: str) -> list[int]:
+def _positive_ints(text: str, what: str, most: int) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
     if not values or min(values) <= 0:
         raise ValueError(f"{what} must be positive integers, got {text!r}")
+    if max(values) > most:
+        raise ValueError(f"{what} must be at most {most}, got {max(values)}")
     return values
 
 
+def _check_folder(flag: str, path: Path | None) -> None:
+    """A folder argument must be a folder or creatable as one: its nearest existing ancestor
+    must be a folder (else mkdir fails later with NotADirectoryError or FileExistsError)."""
+    if path is None:
+        return
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if p.exists() and not p.is_dir():
+        where = "" if p == Path(path) else f" ({p} is a file)"
+        raise ValueError(f"{flag} {path} is not a folder{where}")
+
+
+def _check_common(args: argparse.Namespace) -> None:
+    from rollout.engine import MAX_BATCH
+    from rollout.protocol import SamplingParams
+    from specrl.train_rl import check_seed
+
+    check_seed(args.seed)
+    _check_folder("--out", args.out)
+    _check_folder("--cache-dir", args.cache_dir)
+    if getattr(args, "temperature", None) is not None:
+        try:
+            SamplingParams(temperature=args.temperature)
+        except ValueError as e:
+            raise ValueError(f"--{e}") from None
+    args.batch_list = (_positive_ints(args.batches, "--batches", MAX_BATCH)
+                       if getattr(args, "batches", None) is not None else None)
+
+
 def run(args: argparse.Namespace) -> dict:
+    _check_common(args)
     if args.command == "train-rl":
+        from specrl.presets import MAX_RL_STEPS
         from specrl.train_rl import train_rl
 
-        if args.steps is not None and args.steps <= 0:
-            raise ValueError(f"--steps must be positive, got {args.steps}")
+        if args.steps is not None and not 0 < args.steps <= MAX_RL_STEPS:
+            raise ValueError(f"--steps must be in [1, {MAX_RL_STEPS}], got {args.steps}")
         return train_rl(args.task, args.preset, args.out, seed=args.seed, resume=args.resume, steps=args.steps,
                         cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec)
     if args.command == "train-draft":
@@ -80,12 +121,12 @@ def run(args: argparse.Namespace) -> dict:
     if args.command == "bench" and args.bench == "generate":
         from specrl.bench import bench_generate
 
-        return bench_generate(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
+        return bench_generate(args.task, args.preset, args.out, args.batch_list,
                               seed=args.seed, cache_dir=args.cache_dir)
     if args.command == "bench" and args.bench == "speed":
         from specrl.bench import bench_speed
 
-        return bench_speed(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
+        return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
     if args.command == "drift":
         from experiments.drift import run_drift
@@ -94,20 +135,42 @@ def run(args: argparse.Namespace) -> dict:
                          progress=not args.no_progress)
     if args.command == "speed":
         from experiments.speed import run_speed
+        from rollout.speculative import MAX_SPEC_DEPTH, MAX_TREE_BUDGET
 
-        return run_speed(args.out, preset=args.preset, task=args.task, batches=_positive_ints(args.batches, "--batches"),
-                         gammas=_positive_ints(args.gammas, "--gammas"),
-                         tree_budgets=_positive_ints(args.tree_budgets, "--tree-budgets"),
+        return run_speed(args.out, preset=args.preset, task=args.task, batches=args.batch_list,
+                         gammas=_positive_ints(args.gammas, "--gammas", MAX_SPEC_DEPTH),
+                         tree_budgets=_positive_ints(args.tree_budgets, "--tree-budgets", MAX_TREE_BUDGET),
                          temperature=args.temperature, seed=args.seed, cache_dir=args.cache_dir)
     raise ValueError(f"unknown command {args.command!r}")
+
+
+# How OS failures look when a library reports them as something other than OSError.
+_OS_FAILURE_TEXT = ("iostream error", "No space left on device", "Read-only file system", "file write failed",
+                    "Disk quota exceeded", "os error")
+
+
+def error_line(e: BaseException) -> str | None:
+    """The one-line message for an error the CLI reports (exit 2), or None for a bug."""
+    if isinstance(e, OSError) and e.strerror:
+        paths = " -> ".join(str(p) for p in (e.filename, e.filename2) if p is not None)
+        return f"{paths}: {e.strerror}" if paths else e.strerror
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    if isinstance(e, (ValueError, OSError)):
+        return first
+    if any(t in text for t in _OS_FAILURE_TEXT):
+        return f"cannot write ({first}); is the disk full or read-only?"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         result = run(args)
-    except (ValueError, FileNotFoundError) as e:  # config, input and checkpoint errors
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+    except Exception as e:
+        msg = error_line(e)
+        if msg is None:
+            raise
         print(f"specrl: error: {msg}", file=sys.stderr)
         return 2
     if isinstance(result, dict):

@@ -28,7 +28,7 @@ from rollout.protocol import summarize_spec_stats
 from rollout.speculative import SpecConfig, Speculator
 from specrl.buffer import FeatureBuffer
 from specrl.controller import ControllerConfig, SpeculationController
-from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
+from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer, check_draft_weights
 from specrl.scheduler import DraftScheduler, SchedulerConfig
 
 MODES = ("off", "frozen", "online")
@@ -200,7 +200,7 @@ class SpecCoTrainer:
         steps = left if max_steps is None else min(left, max_steps)
         if steps <= 0:
             return 0.0
-        before = self.draft_trainer.version
+        before, rollbacks = self.draft_trainer.version, self.draft_trainer.counters["rollbacks"]
         try:
             recent = self.config.recent_versions
             min_version = max(0, self.policy_version - recent) if recent else None
@@ -209,16 +209,37 @@ class SpecCoTrainer:
         except Exception as err:  # OOM, NaN or a bug on the draft side: never stop the RL run
             self._on_draft_error(err)
             return time.perf_counter() - t0
+        finally:  # rollbacks to finite weights (the trainer warned) are draft faults too
+            self.faults += self.draft_trainer.counters["rollbacks"] - rollbacks
         self._draft_steps_this_rl_step += result["steps"]
         if result.get("last"):
             self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
         if self.draft_trainer.version != before:
-            t_sync = time.perf_counter()
-            self.speculator.load_draft_weights(self.draft_trainer.export_weights(), self.draft_trainer.version)
-            if self.speculator.controller is not None:
-                self.speculator.controller.reset_acceptance()
-            self._sync_s += time.perf_counter() - t_sync
+            self._push_weights()
         return time.perf_counter() - t0
+
+    def _push_weights(self) -> None:
+        """Hot swap the trainer's weights into the engine's draft, after checking them (names,
+        shapes, finite): the engine never sees weights that would turn speculation off. A refused
+        or failed swap is counted and logged as such; the engine keeps its previous version."""
+        t_sync = time.perf_counter()
+        version = self.draft_trainer.version
+        try:
+            weights = self.draft_trainer.export_weights()
+            problem = check_draft_weights(weights, self.speculator.draft.state_dict())
+            if problem is not None:
+                raise ValueError(f"weights refused: {problem}")
+            self.speculator.load_draft_weights(weights, version)
+        except Exception as err:
+            self.faults += 1
+            msg = str(err).splitlines()[0] if str(err) else ""
+            warnings.warn(f"draft hot swap to version {version} failed ({type(err).__name__}: {msg}); the engine "
+                          f"keeps draft version {self.speculator.version}", RuntimeWarning)
+            return
+        finally:
+            self._sync_s += time.perf_counter() - t_sync
+        if self.speculator.controller is not None:
+            self.speculator.controller.reset_acceptance()
 
     def _on_draft_error(self, err: Exception) -> None:
         self.faults += 1
@@ -232,7 +253,8 @@ class SpecCoTrainer:
                 "engine_draft": {k: v.clone() for k, v in self.speculator.draft.state_dict().items()},
                 "engine_draft_version": self.speculator.version,
                 "draft_trainer": self.draft_trainer.state_dict() if self.draft_trainer is not None else None,
-                "buffer": self.buffer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                # the buffer's records too: the next draft updates sample them, so an exact resume needs them
+                "buffer": self.buffer.state_dict(include_tensors=True), "scheduler": self.scheduler.state_dict(),
                 "controller": self.speculator.controller.state_dict() if self.speculator.controller else None,
                 "generator": self.generator.get_state(), "faults": self.faults}
 
@@ -242,13 +264,26 @@ class SpecCoTrainer:
         if not self.enabled:
             return
         self.policy_version = state["policy_version"]
-        self.speculator.draft.load_state_dict(state["engine_draft"])
-        self.speculator.version = state["engine_draft_version"]
+        faults = 0
         if self.draft_trainer is not None:
-            self.draft_trainer.load_state_dict(state["draft_trainer"])
+            self.draft_trainer.load_state_dict(state["draft_trainer"])  # refuses non-finite weights itself
+            faults += self.draft_trainer.counters["rollbacks"] - state["draft_trainer"].get(
+                "counters", {}).get("rollbacks", 0)
+        problem = check_draft_weights(state["engine_draft"], self.speculator.draft.state_dict())
+        if problem is None:
+            self.speculator.draft.load_state_dict(state["engine_draft"])
+            self.speculator.version = state["engine_draft_version"]
+        else:  # a NaN engine draft would turn speculation off for good: use the trainer's (or the starting) one
+            faults += 1
+            weights = self.draft_trainer.draft.state_dict() if self.draft_trainer is not None else None
+            if weights is not None and check_draft_weights(weights, self.speculator.draft.state_dict()) is None:
+                self.speculator.draft.load_state_dict(weights)
+                self.speculator.version = self.draft_trainer.version
+            warnings.warn(f"the resumed engine draft is unusable ({problem}); speculating with the "
+                          f"{'trainer' if weights is not None else 'starting'} draft instead", RuntimeWarning)
         self.buffer.load_state_dict(state["buffer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.speculator.controller is not None and state["controller"] is not None:
             self.speculator.controller.load_state_dict(state["controller"])
         self.generator.set_state(state["generator"])
-        self.faults = state["faults"]
+        self.faults = state["faults"] + faults

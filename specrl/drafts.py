@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from draft_models.checkpoint import load_draft, save_draft
+from draft_models.checkpoint import DraftCheckpointError, load_draft, save_draft
 from draft_models.config import Eagle3Config
 from draft_models.train import capture_features, train_offline
 from draft_models.vocab import build_draft_vocab, count_tokens
@@ -100,8 +100,16 @@ def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache
                                     sort_keys=True).encode()).hexdigest()[:16]
     path = Path(cache_dir) / f"draft-{key}"
     if path.exists():
-        log(f"[draft] loaded cached offline draft from {path}")
-        return load_draft(path, policy), {"path": str(path), "cached": True}
+        try:
+            draft = load_draft(path, policy)
+        except DraftCheckpointError as e:
+            # a cache entry is only a copy of what training produces: a damaged one is trained
+            # again (deterministically) and replaced, so it never blocks a run or its --resume,
+            # whose checkpoint holds the co-trained drafts anyway
+            log(f"[draft] cached offline draft is damaged ({e}); training it again")
+        else:
+            log(f"[draft] loaded cached offline draft from {path}")
+            return draft, {"path": str(path), "cached": True}
     draft, info = train_offline_draft(policy, prompts, cfg, stop_ids, log)
     save_draft(draft, path)
     log(f"[draft] cached at {path}")

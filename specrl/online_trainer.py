@@ -16,6 +16,12 @@ Isolation rules, each one checked by tests/test_online_trainer.py:
 - A failed step costs nothing: a non-finite loss or gradient norm (e.g. NaN features) skips the
   update, leaves weights and optimizer state untouched and raises nothing; DESIGN.md asks that
   the RL run goes on whatever the draft side does.
+- Non-finite weights never stick: if the draft's own weights are found non-finite (after an
+  update, or when a step fails and the cause is the weights rather than the batch), the trainer
+  rolls weights and optimizer back to its last finite snapshot (taken every `snapshot_every`
+  updates; the first is the starting draft), counts it in `counters["rollbacks"]` and warns one
+  line. Without this one NaN would turn every later step into a skipped one for the whole run.
+  `load_state_dict` applies the same rule to a resumed state.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ import copy
 import dataclasses
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +50,9 @@ class OnlineDraftConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0  # linear lr warm-up over the first updates: a fresh AdamW's first steps are
     # sign-like (size ~lr on every weight) and would knock a well-trained starting draft off its optimum
+    snapshot_every: int = 8  # updates between copies of the last finite weights (what a rollback restores)
+
+    MAX_BATCH_SIZE = 1 << 16  # records per update; more would not fit any device (checked before collate)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str):
@@ -54,6 +64,10 @@ class OnlineDraftConfig:
                 bad(name, "must be a positive finite number")
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size <= 0:
             bad("batch_size", "must be a positive integer")
+        if self.batch_size > self.MAX_BATCH_SIZE:
+            bad("batch_size", f"must be at most {self.MAX_BATCH_SIZE}")
+        if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every <= 0:
+            bad("snapshot_every", "must be a positive integer")
         if self.ttt_steps is not None and (isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int)
                                            or self.ttt_steps <= 0):
             bad("ttt_steps", "must be None or a positive integer")
@@ -67,8 +81,35 @@ class OnlineDraftConfig:
             bad("warmup_steps", "must be a non-negative integer")
 
 
+def _all_finite(obj) -> bool:
+    """True when every floating tensor in a (nested) state is finite."""
+    if isinstance(obj, torch.Tensor):
+        return not obj.is_floating_point() or bool(torch.isfinite(obj).all())
+    if isinstance(obj, dict):
+        return all(_all_finite(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return all(_all_finite(v) for v in obj)
+    return True
+
+
+def check_draft_weights(weights: dict, reference: dict) -> str | None:
+    """What makes `weights` unfit to replace `reference` (a state dict of the same draft), as one
+    line, or None: a missing name, a shape that differs, a non-finite value."""
+    missing = sorted(set(reference) - set(weights))
+    if missing:
+        return f"missing tensors {missing[:3]}"
+    for name, ref in reference.items():
+        w = weights[name]
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(ref.shape):
+            return f"{name} has shape {tuple(getattr(w, 'shape', ()))}, expected {tuple(ref.shape)}"
+        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+            return f"{name} has non-finite values"
+    return None
+
+
 class OnlineDraftTrainer:
-    """Owns the draft being trained and its AdamW; `version` counts successful updates."""
+    """Owns the draft being trained and its AdamW; `version` numbers its weights (+1 per update
+    and per rollback, so a consumer can tell any change)."""
 
     def __init__(self, draft, config: OnlineDraftConfig | None = None):
         self.draft = draft
@@ -85,7 +126,31 @@ class OnlineDraftTrainer:
         self._params = params
         self.version = 0
         self.step_seconds: float | None = None  # running estimate of one update, for budgeting
-        self.counters = {"steps": 0, "updates": 0, "skipped_nonfinite": 0, "skipped_empty": 0}
+        self.counters = {"steps": 0, "updates": 0, "skipped_nonfinite": 0, "skipped_empty": 0, "rollbacks": 0}
+        self._good: dict | None = None  # the last finite weights and optimizer state (CPU copies)
+        self._snapshot()
+
+    # ------------------------------------------------------------------ rollback
+    def _snapshot(self) -> None:
+        draft = {k: v.detach().to("cpu", copy=True) for k, v in self.draft.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        if _all_finite(draft) and _all_finite(opt["state"]):
+            self._good = {"draft": draft, "optimizer": copy.deepcopy(opt), "updates": self.counters["updates"]}
+
+    def weights_finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self._params)
+
+    def _rollback(self, why: str) -> bool:
+        """Restore the last finite snapshot; False when there is none to restore."""
+        if self._good is None:
+            return False
+        self.draft.load_state_dict(self._good["draft"])
+        self.optimizer.load_state_dict(copy.deepcopy(self._good["optimizer"]))
+        self.version += 1
+        self.counters["rollbacks"] += 1
+        warnings.warn(f"online draft: {why}; rolled back to its last finite weights (from update "
+                      f"{self._good['updates']}), now version {self.version}", RuntimeWarning)
+        return True
 
     # ------------------------------------------------------------------ one step
     def train_step(self, buffer, generator: torch.Generator | None, *, min_version: int | None = None) -> dict:
@@ -123,21 +188,32 @@ class OnlineDraftTrainer:
                     loss.backward()
                     gnorm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.max_grad_norm))
                     ok = math.isfinite(gnorm)
+                rolled_back = False
                 if ok:
                     scale = min(1.0, (self.counters["updates"] + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
                     for group in self.optimizer.param_groups:
                         group["lr"] = cfg.lr * scale
                     self.optimizer.step()
-                    self.version += 1
-                    self.counters["updates"] += 1
-                else:
+                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.weights_finite():
+                        self.version += 1
+                        self.counters["updates"] += 1
+                        if self.counters["updates"] % cfg.snapshot_every == 0:
+                            self._snapshot()
+                    else:
+                        ok = False
+                        rolled_back = self._rollback("an update made its weights non-finite")
+                if not ok:
                     self.counters["skipped_nonfinite"] += 1
+                    if not rolled_back and not self.weights_finite():  # the weights, not the batch
+                        rolled_back = self._rollback("its weights are non-finite")
                 self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.draft.train(was_training)
         versions = [int(r["policy_version"]) for r in records if "policy_version" in r]
         draft_loss = metrics.pop("loss")
         metrics.update(draft_loss=draft_loss, grad_norm=gnorm, soft_targets=soft, skipped_nonfinite=not ok,
+                       rolled_back=rolled_back,
                        skipped_empty=False, version=self.version, batch_size=len(records),
                        staleness=(max(versions) - min(versions)) if versions else 0,
                        seconds=time.perf_counter() - t0)
@@ -190,10 +266,27 @@ class OnlineDraftTrainer:
         tensors, and an optimizer loaded from it would share and double-update them."""
         return {"draft": {k: v.detach().clone() for k, v in self.draft.state_dict().items()},
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": self.version,
-                "counters": dict(self.counters), "config": dataclasses.asdict(self.config)}
+                "counters": dict(self.counters), "config": dataclasses.asdict(self.config),
+                "step_seconds": self.step_seconds}  # the budget check reads it: a resume must see it too
 
     def load_state_dict(self, sd: dict) -> None:
-        self.draft.load_state_dict(sd["draft"])
-        self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
+        """Restore a snapshot. Non-finite draft weights are refused: the current (starting) draft
+        is kept and the refusal counted as a rollback, with one warning; non-finite optimizer
+        moments alone restart AdamW from an empty state."""
+        counters = dict(sd.get("counters", self.counters))
+        counters.setdefault("rollbacks", 0)
+        problem = check_draft_weights(sd["draft"], self.draft.state_dict())
+        if problem is None:
+            self.draft.load_state_dict(sd["draft"])
+            if _all_finite(sd["optimizer"]["state"]):
+                self.optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
         self.version = int(sd["version"])
-        self.counters = dict(sd.get("counters", self.counters))
+        self.counters = counters
+        self.step_seconds = sd.get("step_seconds", self.step_seconds)
+        if problem is None:
+            self._snapshot()
+        else:
+            self.version += 1
+            self.counters["rollbacks"] += 1
+            warnings.warn(f"online draft: the resumed draft state is unusable ({problem}); "
+                          f"training goes on from the starting draft, now version {self.version}", RuntimeWarning)

@@ -18,6 +18,9 @@ class PresetError(ValueError):
     pass
 
 
+MAX_RL_STEPS = 1_000_000  # more is a typo, not a run: refused before anything is trained
+
+
 @dataclass
 class RunPreset:
     model: str  # a key of target_training.config.PRESETS
@@ -40,6 +43,8 @@ class RunPreset:
     def __post_init__(self) -> None:
         require_positive(self, ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
                                 "eval_samples", "checkpoint_every", "max_batch"), PresetError)
+        if self.rl_steps > MAX_RL_STEPS:
+            raise PresetError(f"--steps must be at most {MAX_RL_STEPS}, got {self.rl_steps}")
         if self.group_size < 2:
             raise PresetError(f"GRPO needs group_size >= 2, got {self.group_size}")
 
@@ -56,16 +61,33 @@ DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_so
                               recent_versions=4, online=OnlineDraftConfig(lr=1e-3, batch_size=12),
                               scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",)))
 
+def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
+    """Co-training that makes exactly `updates_per_step` draft updates per RL step (once the buffer
+    holds min_buffer_records records, i.e. from the first step on), in the window after the policy
+    update. A count rather than a time share: with the old 5% budget the draft of a `ci` run
+    trained almost never (version 1 after 60 steps), and a time budget makes two runs, or a run and
+    its resume, train different numbers of steps. The time budget is left wide (min_budget_s) so
+    the count alone decides; the drift experiment measures what such updates cost (about 5% per
+    update of the RL step of the `quick` model on the 2-core CPU)."""
+    return CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), max_draft_steps=updates_per_step,
+                         scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",)))
+
+
+# Draft updates per RL step with --spec online: ci 2, quick 1, full 1, drift 1 (DRIFT_COTRAIN).
+DRAFT_UPDATES_PER_STEP = {"ci": 2, "quick": 1, "full": 1, "drift": 1}
+
 RL_PRESETS: dict[str, RunPreset] = {
     # CI-sized: seconds. Used by the tests.
     "ci": RunPreset(model="tiny", sft=SFTConfig(steps=60, batch_size=16, lr=3e-3, n_examples=512),
                     grpo=GRPOConfig(lr=3e-4), rl_steps=2, prompts_per_step=4, group_size=4,
                     max_new_tokens=48, eval_prompts=16, eval_samples=2, checkpoint_every=1, max_batch=16,
-                    draft=DraftTrainConfig(n_sequences=128, steps=40, batch_size=16, max_new_tokens=48)),
+                    draft=DraftTrainConfig(n_sequences=128, steps=40, batch_size=16, max_new_tokens=48),
+                    cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["ci"])),
     # The quick CPU run: a few minutes on 2 cores.
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
-                       max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64),
+                       max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
+                       cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["quick"])),
     # Policy drift on purpose (DESIGN 1b): the rare "cols" worked-step style is 5% of the SFT data,
     # so the starting draft (trained on the SFT policy's samples) has seen little of it; a reward
     # bonus for that format moves the policy there during RL, and the later steps sharpen it.
@@ -76,7 +98,8 @@ RL_PRESETS: dict[str, RunPreset] = {
                        cotrain=DRIFT_COTRAIN),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
-                      max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64),
+                      max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64,
+                      cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["full"])),
 }
 
 

@@ -1,13 +1,23 @@
 """`specrl train-rl`: SFT warm start (cached), then GRPO steps on a verifiable task.
 
 The loop in `train_rl` is the whole RL algorithm at a glance: rollout, reward, update,
-log, checkpoint. Outputs in the run folder: metrics.jsonl (one row per step), summary.json,
-and ckpt/ (the latest resumable state).
+log, checkpoint. Outputs in the run folder: run.json (what identifies the run: task, seed,
+preset, spec mode, model config), metrics.jsonl (one row per step; non-finite numbers are
+written as null so every line is valid JSON), summary.json, and ckpt (the latest resumable
+state; a symlink swapped atomically, see target_training.checkpoint).
+
+A run killed at any instant resumes with --resume to the same end state as an uninterrupted
+one: the checkpoint holds everything the next steps read (policy, optimizer, RNG, the
+co-training state with its feature buffer), metrics rows after the checkpoint are dropped, and
+a run killed before its first checkpoint restarts from step 0.
 """
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
+import math
+import os
 import random
 import time
 from dataclasses import dataclass
@@ -21,7 +31,7 @@ from rollout.protocol import SamplingParams
 from specrl.cotrain import CoTrainConfig, SpecCoTrainer
 from specrl.drafts import cached_offline_draft
 from specrl.presets import RunPreset, get_preset
-from target_training.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from target_training.checkpoint import CheckpointError, load_checkpoint, recover_dir, save_checkpoint
 from target_training.config import model_config_for
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir, warm_start
@@ -34,6 +44,8 @@ class RunDirError(ValueError):
 
 
 EVAL_REQUEST_OFFSET = 1 << 40  # request ids of evaluation samples, disjoint from training rollouts
+SEED_MAX = 2**32 - 1  # sampling noise keys on the seed's low 32 bits (rollout.sampling)
+RUN_FILE = "run.json"
 
 
 def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print, progress=False):
@@ -80,22 +92,112 @@ def step_examples(task, pool, preset: RunPreset, seed: int, step: int):
     return [ex for ex in chosen for _ in range(preset.group_size)]
 
 
-def prepare_run_dir(out: Path, resume: bool) -> None:
-    has_run = (out / "metrics.jsonl").exists() or (out / "ckpt").exists()
+def check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"--seed must be an integer in [0, {SEED_MAX}], got {seed}")
+
+
+def prepare_run_dir(out: Path, resume: bool, log=print) -> None:
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} exists and is not a folder")
+    if out.is_dir():
+        recover_dir(out / "ckpt", log=log)  # a save that a crash interrupted
+    has_run = any((out / name).exists() for name in ("metrics.jsonl", "ckpt", RUN_FILE))
     if has_run and not resume:
         raise RunDirError(f"output folder {out} already holds a run; pass --resume to continue it or choose another --out")
-    if resume and not (out / "ckpt").exists():
-        raise RunDirError(f"--resume given but {out}/ckpt does not exist")
+    if resume and not has_run:
+        raise RunDirError(f"--resume given but {out} holds no run")
     out.mkdir(parents=True, exist_ok=True)
+    check_writable(out)
+
+
+def check_writable(folder: Path) -> None:
+    """Fail now, with the path and the reason (read-only, permission), rather than after training."""
+    probe = folder / f".write-probe-{os.getpid()}"
+    probe.write_bytes(b"")
+    probe.unlink()
+
+
+def run_identity(task_name: str, preset: RunPreset, preset_name: str, seed: int, spec: str) -> dict:
+    """What must stay the same for --resume to continue a run (not the step count, which a
+    resume may raise)."""
+    tokenizer = CharTokenizer()
+    settings = json.dumps(dataclasses.asdict(dataclasses.replace(preset, rl_steps=1)), sort_keys=True, default=str)
+    return {"task": task_name, "seed": seed, "preset": preset_name, "spec": spec,
+            "model": model_config_for(preset.model, tokenizer.vocab_size).to_dict(),
+            "preset_sha256": hashlib.sha256(settings.encode()).hexdigest()[:16]}
+
+
+def check_identity(out: Path, identity: dict) -> None:
+    """Refuse (one line) to resume a run under another task, seed, preset, spec mode or model."""
+    path = out / RUN_FILE
+    try:
+        saved = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{path} is damaged ({e.msg} at line {e.lineno}); cannot check what run this is") from None
+    names = {"model": "model config", "preset_sha256": "preset settings"}
+    diffs = [f"{names.get(k, k)} {saved.get(k)!r} (this command: {identity[k]!r})" if k != "model"
+             else "model config" for k in identity if saved.get(k) != identity[k]]
+    if diffs:
+        raise RunDirError(f"--resume: {out} is a run with a different " + "; ".join(diffs)
+                          + "; resume with the run's own settings or choose another --out")
+
+
+def write_identity(out: Path, identity: dict) -> None:
+    tmp = out / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(identity, indent=1))
+    os.replace(tmp, out / RUN_FILE)
+
+
+def json_safe(value):
+    """NaN and infinities become None (JSON null), recursively: bare NaN is not valid JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def append_row(path: Path, row: dict) -> None:
+    """One metrics row as one write(2) on an O_APPEND file: a kill leaves the line whole or absent."""
+    data = (json.dumps(json_safe(row), allow_nan=False) + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
+    except OSError as e:  # os.write names no file
+        raise OSError(e.errno, e.strerror, str(path)) from None
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of metrics.jsonl; a line that is not a JSON row is named with its number."""
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise RunDirError(f"{path} line {i} is not valid JSON ({e.msg}; a torn or edited line): "
+                              f"repair or delete that line, then resume") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise RunDirError(f"{path} line {i} is not a metrics row (no integer 'step')")
+        rows.append(row)
+    return rows
 
 
 def truncate_metrics(path: Path, last_step: int) -> None:
     """On resume, drop rows logged after the checkpoint so the file has one row per step."""
     if not path.exists():
         return
-    rows = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= last_step]
+    rows = [r for r in read_metrics(path) if r["step"] <= last_step]
     tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(r + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
     tmp.replace(path)
 
 
@@ -146,10 +248,20 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     else:
         preset = get_preset(preset_name)
     preset = preset.with_overrides(rl_steps=steps)
+    check_seed(seed)
     out = Path(out_dir)
-    prepare_run_dir(out, resume)
+    prepare_run_dir(out, resume, log)
+    identity = run_identity(task_name, preset, preset_name, seed, spec)
+    if resume and (out / RUN_FILE).exists():
+        check_identity(out, identity)  # before anything is trained or written
+    else:
+        write_identity(out, identity)
+    if resume and (out / "metrics.jsonl").exists():
+        read_metrics(out / "metrics.jsonl")  # a damaged line is named now, not after the SFT warm start
     torch.manual_seed(seed)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(cache_dir)
     tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
     trainer = GRPOTrainer(policy, preset.grpo)
@@ -158,7 +270,10 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
 
     start_step, eval_start = 0, None
-    if resume:
+    if resume and not (out / "ckpt").exists():  # killed before its first checkpoint: start again
+        truncate_metrics(out / "metrics.jsonl", -1)
+        log(f"[rl] {out} has no checkpoint yet; starting it again from step 0")
+    elif resume:
         ckpt_model, _, _, state = load_checkpoint(out / "ckpt", policy.cfg)
         policy.load_state_dict(ckpt_model.state_dict())
         trainer.load_state_dict(state["trainer"])
@@ -191,8 +306,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
         cotrain.train_draft()
         row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], "rollout_s": gen["wall_s"],
                **cotrain.end_step(), "step_s": time.perf_counter() - t0}
-        with open(out / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_row(out / "metrics.jsonl", row)
         bar.set_postfix(reward=f"{row['reward']:.2f}", len=f"{row['response_len']:.0f}")
         if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.rl_steps:
             save_checkpoint(out / "ckpt", policy, policy.cfg, optimizer=None,
@@ -207,7 +321,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
                "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
                "eval_prompts": len(heldout), "eval_samples_per_prompt": preset.eval_samples,
                "sft_cached": sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=1))
     for cb in callbacks:
         cb.on_end(run, summary)
     log(f"[rl] held-out reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f} "

@@ -20,6 +20,7 @@ character is in the built-in `CharTokenizer` alphabet.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 from dataclasses import dataclass, field
@@ -312,6 +313,7 @@ class JsonlTask(Task):
         kind = "parquet" if self.path.suffix == ".parquet" else "json"
         if not self.path.is_file():
             raise TaskError(f"task file {str(self.path)!r} does not exist")
+        self._check_text(kind)
         import datasets
 
         bars_were_on = datasets.is_progress_bar_enabled()
@@ -334,6 +336,31 @@ class JsonlTask(Task):
             split = self._split_label(rec[split_field], i) if has_split else self.split_of(ex)
             rows[split].append(ex)
         return rows
+
+    def _check_text(self, kind: str) -> None:
+        """Name an empty file, or the first JSONL line that is not a JSON object, before the
+        `datasets` reader sees it (its own errors name neither the file nor the line)."""
+        if kind == "parquet":
+            if self.path.stat().st_size == 0:
+                raise TaskError(f"task file {str(self.path)!r} is empty")
+            return
+        try:
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise TaskError(f"task file {str(self.path)!r} is not UTF-8 text (byte {e.start})") from None
+        if not text.strip():
+            raise TaskError(f"task file {str(self.path)!r} is empty: it needs one JSON object per line")
+        if self.path.suffix != ".jsonl":
+            return
+        for i, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise TaskError(f"task file {str(self.path)!r} line {i} is not valid JSON ({e.msg}, column {e.colno})") from None
+            if not isinstance(row, dict):
+                raise TaskError(f"task file {str(self.path)!r} line {i} is not a JSON object")
 
     def split_of(self, example: Example) -> str:
         return split_of_key(example.prompt)  # not the file name: renaming keeps the split

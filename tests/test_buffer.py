@@ -190,3 +190,38 @@ def test_state_dict_round_trip():
     light.load_state_dict(meta)
     assert len(light) == 0 and light.counters == buf.counters and light.seed == 4
     assert light.budget_bytes == buf.budget_bytes
+
+
+def _held_bytes(buf: FeatureBuffer) -> int:
+    """Bytes of the distinct storages the buffer's records keep alive."""
+    storages = {}
+    for e in buf._entries.values():
+        for k in ("input_ids", "features", "target_logp", "loss_mask", "weight_per_pos"):
+            t = e[k]
+            if t is not None:
+                storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("feature_dtype", [torch.float16, torch.float32])
+def test_reported_bytes_equal_held_bytes_with_mixed_lengths(feature_dtype):
+    """One long and fifteen short responses in a batch, features already fp16 (or fp32, cast on
+    store): the records must not keep views of the whole batch tensors alive."""
+    torch.manual_seed(0)
+    B, T, vd = 16, 300, 24
+    ids = torch.randint(3, 64, (B, T))
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[0, 4:T] = True  # the long response
+    mask[1:, 4:12] = True  # fifteen short ones
+    feats = torch.randn(B, T, 3 * 16).to(feature_dtype)
+    logits = torch.randn(B, T, 64)
+    d2t, _ = build_draft_vocab([ids.reshape(-1)], 64, vd)
+    buf = FeatureBuffer(budget_bytes=10**8)
+    assert buf.add_from_trainer_forward(ids, feats, logits, mask, d2t, policy_version=0) == B
+    w = torch.rand(B, T)
+    for b in range(4):  # direct adds of row views, with per-position weights
+        n = 20 + b
+        buf.add({"input_ids": ids[b, :n], "features": feats[b, :n].half(), "loss_mask": mask[b, :n],
+                 "target_logp": None}, 1, weight_per_pos=w[b, :n])
+    held = _held_bytes(buf)
+    assert abs(held - buf.nbytes) <= 0.01 * held, (held, buf.nbytes)

@@ -22,7 +22,7 @@ def _err_line(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nope"], "unknown task"),
     (["--preset", "huge"], "unknown preset"),
-    (["--steps", "0"], "--steps must be positive"),
+    (["--steps", "0"], "--steps must be in [1, 1000000], got 0"),
 ])
 def test_bad_input_exit_2(tmp_path, cache, capsys, argv, match):
     code = main(["train-rl", "--out", str(tmp_path / "r"), "--cache-dir", str(cache), "--no-progress", *argv])
@@ -90,3 +90,184 @@ def test_bench_speed_bad_temperature(tmp_path, cache, capsys):
     assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), "--cache-dir", str(cache),
                  "--temperature", "-1", "--batches", "1"]) == 2
     assert "temperature" in _err_line(capsys)
+
+
+# ---------------------------------------------------------------- bad input, each refused up front
+@pytest.mark.parametrize("argv, match", [
+    (["train-rl", "--seed", str(10**30)], r"--seed must be an integer in \[0, 4294967295\], got 1000000000000000000000000000000"),
+    (["train-rl", "--seed", "-1"], r"--seed must be an integer in \[0, 4294967295\]"),
+    (["train-rl", "--steps", str(10**12)], r"--steps must be in \[1, 1000000\], got 1000000000000"),
+    (["bench", "generate", "--batches", "1000000000"], "--batches must be at most 4096, got 1000000000"),
+    (["bench", "speed", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
+    (["bench", "speed", "--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
+    (["speed", "--gammas", "100000"], "--gammas must be at most 64"),
+    (["speed", "--tree-budgets", "1000000"], "--tree-budgets must be at most 1024"),
+])
+def test_out_of_range_values_exit_2_before_any_work(tmp_path, capsys, argv, match):
+    import re
+
+    cache = tmp_path / "cache"
+    assert main([*argv, "--out", str(tmp_path / "r"), "--cache-dir", str(cache)]) == 2
+    assert re.search(match, _err_line(capsys))
+    assert not cache.exists()  # nothing was trained or cached
+
+
+def test_folder_arguments_that_are_files(tmp_path, capsys):
+    f = tmp_path / "file"
+    f.write_text("keep me")
+    assert main(["train-rl", "--out", str(f), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert _err_line(capsys) == f"specrl: error: --out {f} is not a folder"
+    assert main(["train-rl", "--out", str(f / "sub"), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert _err_line(capsys) == f"specrl: error: --out {f / 'sub'} is not a folder ({f} is a file)"
+    assert main(["train-rl", "--out", str(tmp_path / "r"), "--cache-dir", str(f)]) == 2
+    assert _err_line(capsys) == f"specrl: error: --cache-dir {f} is not a folder"
+    assert f.read_text() == "keep me" and not (tmp_path / "r").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("error, match", [
+    (OSError(30, "Read-only file system", "/ro/run/metrics.jsonl"), "^specrl: error: /ro/run/metrics.jsonl: Read-only file system$"),
+    (OSError(28, "No space left on device", "/full/run/ckpt"), "^specrl: error: /full/run/ckpt: No space left on device$"),
+    (FileExistsError(17, "File exists", "/x/out"), "^specrl: error: /x/out: File exists$"),
+    (NotADirectoryError(20, "Not a directory", "/x/f/out"), "^specrl: error: /x/f/out: Not a directory$"),
+    (PermissionError(13, "Permission denied", "/root/x"), "^specrl: error: /root/x: Permission denied$"),
+    (RuntimeError("basic_ios::clear: iostream error"), "^specrl: error: cannot write .basic_ios::clear: iostream error.; is the disk full or read-only.$"),
+])
+def test_every_os_error_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, error, match):
+    """Real EROFS/ENOSPC runs are in experiments/bad_inputs.py (they need a tmpfs mount)."""
+    import re
+
+    import specrl.train_rl
+
+    def fail(*a, **k):
+        raise error
+
+    monkeypatch.setattr(specrl.train_rl, "train_rl", fail)
+    assert main(["train-rl", "--out", str(tmp_path / "r"), "--cache-dir", str(tmp_path / "c")]) == 2
+    assert re.search(match, _err_line(capsys))
+
+
+def test_a_bug_still_shows_its_traceback(tmp_path, monkeypatch):
+    import specrl.train_rl
+
+    monkeypatch.setattr(specrl.train_rl, "train_rl", lambda *a, **k: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        main(["train-rl", "--out", str(tmp_path / "r")])
+
+
+@pytest.mark.parametrize("text, match", [
+    ('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2", "answer": \n', r"line 2 is not valid JSON"),
+    ('{"prompt": "1+1", "answer": "2"}\n[1, 2]\n', r"line 2 is not a JSON object"),
+    ("", r"is empty"),
+    ("\n  \n", r"is empty"),
+])
+def test_bad_task_files_name_the_file_and_line(tmp_path, text, match):
+    """In a subprocess: the `datasets` reader used to add a second stderr line of its own."""
+    import re
+
+    f = tmp_path / "tasks.jsonl"
+    f.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "specrl.cli", "train-rl", "--task", str(f), "--out", str(tmp_path / "r"),
+                        "--cache-dir", str(tmp_path / "c"), "--no-progress"], capture_output=True, text=True)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert str(f) in lines[0] and re.search(match, lines[0])
+
+
+# ---------------------------------------------------------------- resume: identity, damage, early kill
+@pytest.fixture(scope="module")
+def online_run(tmp_path_factory):
+    """A finished 1-step `--spec online` CI run (copied by each test before it is changed)."""
+    cache = tmp_path_factory.mktemp("cache")
+    out = tmp_path_factory.mktemp("run") / "run"
+    assert main(["train-rl", "--preset", "ci", "--spec", "online", "--steps", "1", "--out", str(out),
+                 "--cache-dir", str(cache), "--no-progress"]) == 0
+    return out, cache
+
+
+def _copy_run(src, tmp_path):
+    import shutil
+
+    dst = tmp_path / "run"
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def _resume(out, cache, *extra):
+    return main(["train-rl", "--preset", "ci", "--spec", "online", "--steps", "2", "--out", str(out),
+                 "--cache-dir", str(cache), "--no-progress", "--resume", *extra])
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--seed", "7"], "different seed 0 .this command: 7."),
+    (["--task", "sort"], "different task 'arith' .this command: 'sort'."),
+    (["--preset", "quick"], "different preset 'ci' .this command: 'quick'.; model config; preset settings"),
+])
+def test_resume_refuses_another_identity_before_training(online_run, tmp_path, capsys, extra, match):
+    import re
+
+    out = _copy_run(online_run[0], tmp_path)
+    cache = online_run[1]
+    before = sorted(p.name for p in cache.iterdir())
+    metrics = (out / "metrics.jsonl").read_bytes()
+    capsys.readouterr()
+    assert _resume(out, cache, *extra) == 2
+    assert re.search(match, _err_line(capsys))
+    assert sorted(p.name for p in cache.iterdir()) == before  # no SFT start trained for the other task
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_torn_last_metrics_line_is_named(online_run, tmp_path, capsys):
+    out = _copy_run(online_run[0], tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 1, "loss": 0.1')
+    capsys.readouterr()
+    assert _resume(out, online_run[1]) == 2
+    assert _err_line(capsys) == (f"specrl: error: {out / 'metrics.jsonl'} line 2 is not valid JSON (Expecting ',' "
+                                 "delimiter; a torn or edited line): repair or delete that line, then resume")
+
+
+def test_resume_of_a_run_killed_before_its_first_checkpoint(online_run, tmp_path, capsys):
+    """The metrics row is written before the first checkpoint: a kill between them used to leave
+    a run that could be neither resumed nor restarted."""
+    import shutil
+
+    out = _copy_run(online_run[0], tmp_path)
+    shutil.rmtree((out / "ckpt").resolve())
+    (out / "ckpt").unlink()
+    (out / "summary.json").unlink()
+    assert _resume(out, online_run[1]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    ref = [json.loads(x) for x in (online_run[0] / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["loss"] == ref[0]["loss"] and rows[0]["train/draft_version"] == ref[0]["train/draft_version"]
+
+
+def test_damaged_cached_offline_draft_does_not_block_resume(online_run, tmp_path, capsys):
+    import shutil
+
+    out = _copy_run(online_run[0], tmp_path)
+    cache = tmp_path / "cache"
+    shutil.copytree(online_run[1], cache, symlinks=True)
+    (draft,) = [p for p in cache.iterdir() if p.name.startswith("draft-")]
+    w = draft / "model.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])  # truncated
+    assert _resume(out, cache) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and rows[1]["train/draft_version"] > rows[0]["train/draft_version"]
+    assert "training it again" in capsys.readouterr().out
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path):
+    """metrics.jsonl used to carry bare NaN, which is not JSON."""
+    from specrl.train_rl import append_row, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    append_row(path, {"step": 0, "train/draft_loss": float("nan"), "x": [1.0, float("inf")], "y": {"z": -float("inf")}})
+
+    def strict(token):
+        raise ValueError(f"non-JSON constant {token}")
+
+    line = path.read_text()
+    assert json.loads(line, parse_constant=strict) == {"step": 0, "train/draft_loss": None, "x": [1.0, None],
+                                                       "y": {"z": None}}
+    assert read_metrics(path)[0]["train/draft_loss"] is None

@@ -112,3 +112,125 @@ def test_draft_trainer_failure_does_not_stop_training(sft_policy, offline_draft,
         m = cot.train_draft()
     assert m["train/draft_faults"] == 1
     cot.end_step()
+
+
+# ---------------------------------------------------------------- draft faults and recovery
+class _InjectNaN:
+    """An RLCallback that writes NaN into the trainer's draft after step `at`."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def on_start(self, run):
+        pass
+
+    def on_end(self, run, summary):
+        pass
+
+    def on_step_end(self, run, step, row):
+        if step == self.at:
+            with torch.no_grad():
+                run.cotrain.draft.fc.weight[0, 0] = float("nan")
+
+
+def test_nan_in_the_trainers_draft_is_rolled_back_and_training_resumes(sft_policy, tmp_path):
+    """Before the fix one NaN froze draft training for the rest of the run with 0 faults."""
+    cache = sft_policy[3]
+    with pytest.warns(RuntimeWarning, match="rolled back"):
+        train_rl("arith", "ci", tmp_path / "r", seed=3, steps=5, cache_dir=cache, progress=False, spec="online",
+                 callbacks=(_InjectNaN(1),), log=lambda *a: None)
+    rows = _rows(tmp_path / "r")
+    assert [r["train/draft_faults"] for r in rows] == [0, 0, 1, 1, 1]
+    versions = [r["train/draft_version"] for r in rows]
+    assert versions[4] > versions[3] > versions[2] > versions[1]  # training goes on after the rollback
+    assert all(r["rollout/spec_accept_length"] > 1.0 for r in rows)  # speculation never stopped
+    assert all(r["train/draft_loss"] is None or r["train/draft_loss"] == r["train/draft_loss"] for r in rows)
+
+
+def test_nan_in_a_resumed_state_is_repaired(sft_policy, tmp_path):
+    """A checkpoint whose engine draft and trained draft are NaN: the resumed run speculates and
+    trains from its first step, and counts both faults."""
+    from target_training.checkpoint import load_checkpoint, save_checkpoint
+
+    cache, out = sft_policy[3], tmp_path / "r"
+    train_rl("arith", "ci", out, seed=3, steps=2, cache_dir=cache, progress=False, spec="online",
+             log=lambda *a: None)
+    model, cfg, _, state = load_checkpoint(out / "ckpt")
+    nan = lambda sd: {k: (v.clone().fill_(float("nan")) if v.is_floating_point() else v) for k, v in sd.items()}
+    state["cotrain"]["engine_draft"] = nan(state["cotrain"]["engine_draft"])
+    state["cotrain"]["draft_trainer"]["draft"] = nan(state["cotrain"]["draft_trainer"]["draft"])
+    save_checkpoint(out / "ckpt", model, cfg, state=state)
+    with pytest.warns(RuntimeWarning, match="unusable"):
+        train_rl("arith", "ci", out, seed=3, steps=4, cache_dir=cache, progress=False, spec="online",
+                 resume=True, log=lambda *a: None)
+    rows = _rows(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[2]["train/draft_faults"] == 2 and rows[2]["rollout/spec_accept_length"] > 1.0
+    assert rows[3]["train/draft_version"] > rows[2]["train/draft_version"] > rows[1]["train/draft_version"]
+    assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
+
+
+def _online_cotrainer(sft_policy, offline_draft):
+    import copy
+
+    cot = SpecCoTrainer(copy.deepcopy(offline_draft), CoTrainConfig(mode="online", min_buffer_records=1))
+    _, _, policy, _ = sft_policy
+    ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
+    out = policy(ids, tap_layers=policy.cfg.feature_layer_ids)
+    mask = torch.zeros(4, 12, dtype=torch.bool)
+    mask[:, 6:] = True
+    cot.buffer.add_from_trainer_forward(ids, out.features(policy.cfg.feature_layer_ids), out.logits, mask,
+                                        cot.draft.d2t, 0)
+    cot.scheduler.config.budget_fraction = 1.0
+    cot.scheduler.config.min_budget_s = 60.0
+    return cot
+
+
+def test_failed_hot_swap_is_logged_as_such(sft_policy, offline_draft, monkeypatch):
+    cot = _online_cotrainer(sft_policy, offline_draft)
+    before = {k: v.clone() for k, v in cot.speculator.draft.state_dict().items()}
+
+    def broken(weights, version):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(cot.speculator, "load_draft_weights", broken)
+    cot.begin_step()
+    with pytest.warns(RuntimeWarning, match="hot swap to version 1 failed .*device lost.*keeps draft version 0"):
+        m = cot.train_draft()
+    assert m["train/draft_faults"] == 1 and m["train/draft_version"] >= 1 and cot.speculator.version == 0
+    assert all(torch.equal(before[k], v) for k, v in cot.speculator.draft.state_dict().items())
+
+
+def test_pushed_weights_are_checked_before_use(sft_policy, offline_draft, monkeypatch):
+    cot = _online_cotrainer(sft_policy, offline_draft)
+    before = {k: v.clone() for k, v in cot.speculator.draft.state_dict().items()}
+    real = cot.draft_trainer.export_weights
+    monkeypatch.setattr(cot.draft_trainer, "export_weights",
+                        lambda: {k: (v.fill_(float("nan")) if k == "fc.weight" else v) for k, v in real().items()})
+    cot.begin_step()
+    with pytest.warns(RuntimeWarning, match="weights refused: fc.weight has non-finite values"):
+        m = cot.train_draft()
+    assert m["train/draft_faults"] == 1 and cot.speculator.version == 0
+    assert all(torch.equal(before[k], v) for k, v in cot.speculator.draft.state_dict().items())
+    monkeypatch.setattr(cot.draft_trainer, "export_weights", real)
+    cot.end_step()
+    cot.begin_step()
+    cot.train_draft()  # the next good push goes through
+    assert cot.speculator.version == cot.draft_trainer.version
+
+
+def test_quick_presets_cotraining_updates_the_draft_every_step(sft_policy, tmp_path):
+    """The `quick` preset's co-training settings (on the CI model, for speed): the draft gets
+    DRAFT_UPDATES_PER_STEP["quick"] updates in every RL step (with the old 5% time budget it got
+    almost none)."""
+    import dataclasses
+
+    from specrl.presets import DRAFT_UPDATES_PER_STEP, get_preset
+
+    preset = dataclasses.replace(get_preset("ci"), cotrain=get_preset("quick").cotrain)
+    train_rl("arith", preset, tmp_path / "r", seed=3, steps=4, cache_dir=sft_policy[3], progress=False,
+             spec="online", log=lambda *a: None)
+    rows = _rows(tmp_path / "r")
+    n = DRAFT_UPDATES_PER_STEP["quick"]
+    assert n >= 1 and [r["train/draft_steps"] for r in rows] == [n] * 4
+    assert [r["train/draft_version"] for r in rows] == [n * (i + 1) for i in range(4)]

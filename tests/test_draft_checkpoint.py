@@ -48,7 +48,7 @@ def other_target(**changes):
 def test_save_writes_sglang_layout_and_round_trips(tmp_path):
     target, draft = make_pair()
     out = save_draft(draft, tmp_path / "draft")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "manifest.json", "model.safetensors"]
     tensors = load_file(str(out / "model.safetensors"))
     assert set(tensors) == SGLANG_KEYS  # no embedding
     assert set(draft_state_dict_for_sglang(draft)) == SGLANG_KEYS
@@ -74,6 +74,7 @@ def test_embedding_in_file_is_ignored_and_target_embedding_used(tmp_path):
     out = save_draft(draft, tmp_path / "d")
     tensors = load_file(str(out / "model.safetensors"))
     tensors["embed_tokens.weight"] = torch.zeros(V, 64)  # SpecForge-style extra key
+    (out / "manifest.json").unlink()  # SpecForge writes no manifest
     save_file(tensors, str(out / "model.safetensors"))
     assert load_draft(out, target).embed_tokens is target.embed_tokens
 
@@ -95,6 +96,7 @@ def test_wrong_fc_shape_and_bad_vocab_are_rejected(tmp_path):
     target, draft = make_pair()
     out = save_draft(draft, tmp_path / "d")
     good = load_file(str(out / "model.safetensors"))
+    (out / "manifest.json").unlink()  # a draft from another trainer: the structural checks still apply
     bad = dict(good, **{"fc.weight": torch.zeros(64, 128)})
     save_file(bad, str(out / "model.safetensors"))
     with pytest.raises(DraftCheckpointError, match="fc.weight"):
@@ -151,3 +153,18 @@ def test_failed_save_leaves_existing_checkpoint_intact(tmp_path, monkeypatch):
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d"]
     assert not torch.equal(load_draft(out, target).fc.weight, draft.fc.weight)
+
+
+def test_flipped_byte_in_weights_is_refused_by_the_manifest(tmp_path):
+    """Before the manifest a flipped byte in a tensor's data loaded silently."""
+    target, draft = make_pair()
+    out = save_draft(draft, tmp_path / "d")
+    w = out / "model.safetensors"
+    data = bytearray(w.read_bytes())
+    data[len(data) // 2] ^= 0x01  # inside a weight matrix: still a well-formed safetensors file
+    w.write_bytes(bytes(data))
+    with pytest.raises(DraftCheckpointError, match="model.safetensors is corrupted .SHA-256 mismatch.") as e:
+        load_draft(out, target)
+    assert "\n" not in str(e.value)
+    (out / "manifest.json").unlink()
+    load_draft(out, target)  # without a manifest nothing can tell: that is what the manifest is for

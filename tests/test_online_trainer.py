@@ -202,3 +202,88 @@ def test_state_dict_round_trip(setup):
     trainer.train_step(buf, torch.Generator().manual_seed(7))
     other.train_step(buf, torch.Generator().manual_seed(7))
     assert _same(_snapshot(other.draft), _snapshot(draft))  # the optimizer moments came back too
+
+
+def test_batch_size_bound_is_checked_before_any_allocation():
+    with pytest.raises(ValueError, match=f"at most {OnlineDraftConfig.MAX_BATCH_SIZE}"):
+        OnlineDraftConfig(batch_size=10**9)
+
+
+def test_nan_weights_roll_back_to_the_last_finite_ones_and_training_resumes(setup):
+    """One NaN in the trainer's draft: the next step rolls back (counted, one warning) and the
+    steps after it update again; without rollback every later step would be skipped."""
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(10**7), policy, seqs, draft, soft=True)
+    tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8, snapshot_every=2))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        assert not tr.train_step(buf, g)["skipped_nonfinite"]
+    good = _snapshot(draft)  # snapshot_every=2: the copy after update 4 is these weights
+    with torch.no_grad():
+        draft.fc.weight[0, 0] = float("nan")
+    with pytest.warns(RuntimeWarning, match="rolled back") as rec:
+        m = tr.train_step(buf, g)
+    assert len(rec) == 1 and len(str(rec[0].message).splitlines()) == 1
+    assert m["rolled_back"] and m["skipped_nonfinite"] and tr.counters["rollbacks"] == 1
+    assert _same(_snapshot(draft), good) and tr.weights_finite()
+    version = tr.version
+    for _ in range(3):
+        m = tr.train_step(buf, g)
+        assert not m["skipped_nonfinite"] and math.isfinite(m["draft_loss"])
+    assert tr.version == version + 3 and tr.counters["rollbacks"] == 1
+
+
+def test_an_update_that_makes_weights_nonfinite_is_undone(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(10**7), policy, seqs, draft, soft=False)
+    tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8))
+    before = _snapshot(draft)
+    tr.optimizer.param_groups[0]["lr"] = float("inf")
+    tr.config.lr = float("inf")  # the step itself writes inf * update into the weights
+    with pytest.warns(RuntimeWarning, match="update made its weights non-finite"):
+        m = tr.train_step(buf, torch.Generator().manual_seed(0))
+    assert m["rolled_back"] and tr.weights_finite() and _same(_snapshot(draft), before)
+
+
+def test_load_state_dict_refuses_nan_draft_and_nan_moments(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(10**7), policy, seqs, draft, soft=True)
+    tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8))
+    tr.train_step(buf, torch.Generator().manual_seed(0))
+    sd = tr.state_dict()
+    start = _snapshot(draft)
+    bad = {**sd, "draft": {k: (v.clone().fill_(float("nan")) if v.is_floating_point() else v)
+                           for k, v in sd["draft"].items()}}
+    fresh = OnlineDraftTrainer(new_draft(policy, seqs, DraftTrainConfig(draft_vocab_size=64, ttt_steps=2)),
+                               OnlineDraftConfig(batch_size=8))
+    start = _snapshot(fresh.draft)
+    with pytest.warns(RuntimeWarning, match="resumed draft state is unusable"):
+        fresh.load_state_dict(bad)
+    assert _same(_snapshot(fresh.draft), start) and fresh.counters["rollbacks"] == 1
+    assert fresh.version == sd["version"] + 1
+    assert not fresh.train_step(buf, torch.Generator().manual_seed(0))["skipped_nonfinite"]
+    # finite weights with NaN optimizer moments: weights kept, AdamW restarted
+    moments = {**sd, "optimizer": {**sd["optimizer"], "state": {
+        k: {n: (t.clone().fill_(float("nan")) if torch.is_tensor(t) and t.is_floating_point() and t.dim() else t)
+            for n, t in v.items()} for k, v in sd["optimizer"]["state"].items()}}}
+    other = OnlineDraftTrainer(new_draft(policy, seqs, DraftTrainConfig(draft_vocab_size=64, ttt_steps=2)),
+                               OnlineDraftConfig(batch_size=8))
+    other.load_state_dict(moments)
+    assert _same(_snapshot(other.draft), sd["draft"]) and not other.optimizer.state
+    assert not other.train_step(buf, torch.Generator().manual_seed(0))["skipped_nonfinite"]
+
+
+def test_step_time_is_saved_so_a_resume_budgets_like_the_run(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(10**7), policy, seqs, draft, soft=True)
+    tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8))
+    tr.train_for(buf, 2, 60.0, torch.Generator().manual_seed(0))
+    assert tr.step_seconds is not None
+    other = OnlineDraftTrainer(new_draft(policy, seqs, DraftTrainConfig(draft_vocab_size=64, ttt_steps=2)),
+                               OnlineDraftConfig(batch_size=8))
+    other.load_state_dict(tr.state_dict())
+    assert other.step_seconds == tr.step_seconds
+    # a budget below the measured step time: neither starts a step (before the fix the resumed one did)
+    budget = tr.step_seconds / 2
+    assert tr.train_for(buf, 4, budget, None)["steps"] == 0
+    assert other.train_for(buf, 4, budget, None)["steps"] == 0
