@@ -21,6 +21,7 @@ import torch
 
 from draft_models.checkpoint import check_draft_against_target
 from rollout import acceptance as acc
+from rollout.profile import tick
 from rollout.protocol import SamplingParams
 from rollout.sampling import coupled_noise, policy_logprobs, process_logits
 from rollout.tree import accepted_kv_positions, gather_path, node_depths, select_nodes, tree_attention_mask
@@ -96,6 +97,7 @@ class SpecSession:
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]  # features not yet fed to the draft
         self.max_len = max_len
         self.faulted = False
+        self._prof = None  # the engine's StepProfiler during a step, if one is attached
 
     # -- hooks called by the engine -------------------------------------------------------
     def should_speculate(self, n_active: int) -> bool:
@@ -145,17 +147,24 @@ class SpecSession:
         slots = torch.tensor(active, device=cache.lengths.device)
         L = cache.lengths[slots]  # (B,)
         depth = self.depth()  # the caches carry `block_slack` spare positions for the verify block
+        prof = engine.profiler
+        if prof is not None:
+            prof.set_gamma(depth)
+        self._prof = prof
         h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, Vd)
         if bool(torch.isnan(q_last).any() or torch.isposinf(q_last).any()):  # -inf marks non-draft tokens
             raise FloatingPointError("draft produced NaN or infinite logits")
         ctx = _Sampling(params, engine, states, depth)
         roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
         taps = engine.model.cfg.feature_layer_ids
+        tick(prof, "draft_features")
         if self.cfg.mode == "chain":
             tokens, draft_logp = self._draft_chain(slots, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
             self.cache.rollback(slots, L)
             block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
+            tick(prof, "draft")
             out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill)
+            tick(prof, "verify_forward")
             n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
             steps = torch.arange(depth + 1, device=slots.device)
             path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
@@ -168,11 +177,15 @@ class SpecSession:
             block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
             block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
             depths = node_depths(block_parents)  # (B, N)
+            mask = tree_attention_mask(block_parents, block_verified)
+            tick(prof, "draft")
             out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
-                                 positions=L[:, None] + depths, attn_mask=tree_attention_mask(block_parents, block_verified))
+                                 positions=L[:, None] + depths, attn_mask=mask)
+            tick(prof, "verify_forward")
             path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
                                                     draft_logp, out.logits)
             drafted_depths = depths.masked_fill(~block_valid, 0).max(1).values  # (B,)
+        tick(prof, "accept")
         # keep the accepted path's KV entries contiguous after position L
         src, n_keep = accepted_kv_positions(path, L)
         if self.cfg.mode == "tree":
@@ -185,6 +198,7 @@ class SpecSession:
         emitted.scatter_(1, n_acc[:, None], next_tok[:, None])
         lp_all = policy_logprobs(out.logits, params.temperature)  # (B, N, V)
         emitted_lp = gather_path(path, lp_all, fill=0).gather(2, emitted[..., None])[..., 0]  # (B, W)
+        tick(prof, "cache_features")
         rows = zip(active, states, n_keep.tolist(), drafted_depths.tolist(), emitted.tolist(), emitted_lp.tolist())
         emitted_total = drafted_total = 0
         for r, (slot, st, k, drafted_depth, toks, lps) in enumerate(rows):  # k = root + accepted drafts
@@ -199,6 +213,7 @@ class SpecSession:
                 if not engine.append_token(st, t, lp, params):
                     break
         n = len(active)
+        tick(prof, "emit")
         return {"gamma": depth, "tokens_per_seq": emitted_total / n, "accepted": emitted_total - n,
                 "drafted": drafted_total}
 
@@ -228,6 +243,7 @@ class SpecSession:
                 hidden[i, : f.shape[0]] = f.to(dtype)
                 ids[i, : f.shape[0]] = torch.tensor(full[d + 1 : d + 1 + f.shape[0]])
             idx = torch.tensor(rows, device=slots.device)
+            tick(self._prof, "draft_features")
             prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=slots[idx])
             self.cache.rollback(slots[idx], D[idx] + n[idx])
             last = n[idx] - 1
@@ -237,6 +253,7 @@ class SpecSession:
                 h_last = h_g.new_empty(B, *h_g.shape[1:])
                 q_last = q_g.new_empty(B, *q_g.shape[1:])
             h_last[idx], q_last[idx] = h_g, q_g
+            tick(self._prof, "draft")
         return h_last, q_last
 
     def _draft_step(self, slots, hidden, tokens, positions=None, mask=None):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", help="run preset: ci, quick or full")
+    p.add_argument("--preset", default="quick", help="run preset: ci, quick, speed, drift or full")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=None, help="where SFT warm starts are cached (default ~/.cache/specrl or $SPECRL_CACHE)")
@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
+    f = bsub.add_parser("profile", help="where plain and chain-speculative engine steps spend their time")
+    _add_common(f)
+    f.add_argument("--batches", default="1,4,16")
+    f.add_argument("--temperature", type=float, default=0.0)
 
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
@@ -87,6 +91,11 @@ def run(args: argparse.Namespace) -> dict:
 
         return bench_speed(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+    if args.command == "bench" and args.bench == "profile":
+        from specrl.bench import bench_profile
+
+        return bench_profile(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
+                             seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
     if args.command == "drift":
         from experiments.drift import run_drift
 
