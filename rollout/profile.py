@@ -106,11 +106,15 @@ def low_quartile(xs: list[float]) -> float:
 
 
 def phase_breakdown(records: list[StepRecord], phases: tuple[str, ...]) -> dict:
-    """Mean seconds per step of every phase and its share of the step, over `records`."""
+    """Mean seconds per step of every phase and its share of the step, over `records`, and
+    each phase's lower quartile (the uninterrupted step's, see `low_quartile`)."""
     n = len(records)
     if not n:
         return {"steps": 0}
     total = sum(r.total_s for r in records) / n
     mean = {p: sum(r.phases.get(p, 0.0) for r in records) / n for p in phases}
     return {"steps": n, "step_s": total, "phase_s": mean,
-            "phase_fraction": {p: (v / total if total > 0 else 0.0) for p, v in mean.items()}}
+            "phase_fraction": {p: (v / total if total > 0 else 0.0) for p, v in mean.items()},
+            # the same, robust to OS preemption on a busy machine: lower quartile of each phase
+            "step_s_low_quartile": low_quartile([r.total_s for r in records]),
+            "phase_s_low_quartile": {p: low_quartile([r.phases.get(p, 0.0) for r in records]) for p in phases}}
