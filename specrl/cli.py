@@ -41,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--gamma", type=int, default=4, help="chain length of the chain rows (the controller may use 1..gamma)")
     f = bsub.add_parser("profile", help="where plain and chain-speculative engine steps spend their time")
     _add_common(f)
     f.add_argument("--batches", default="1,4,16")
@@ -89,8 +90,11 @@ def run(args: argparse.Namespace) -> dict:
     if args.command == "bench" and args.bench == "speed":
         from specrl.bench import bench_speed
 
+        if args.gamma <= 0:
+            raise ValueError(f"--gamma must be positive, got {args.gamma}")
         return bench_speed(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
-                           seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+                           seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
+                           chain_gamma=args.gamma)
     if args.command == "bench" and args.bench == "profile":
         from specrl.bench import bench_profile
 

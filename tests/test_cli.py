@@ -90,3 +90,9 @@ def test_bench_speed_bad_temperature(tmp_path, cache, capsys):
     assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), "--cache-dir", str(cache),
                  "--temperature", "-1", "--batches", "1"]) == 2
     assert "temperature" in _err_line(capsys)
+
+
+def test_bench_speed_bad_gamma(tmp_path, capsys):
+    assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), "--gamma", "0", "--batches", "1"]) == 2
+    assert "--gamma" in _err_line(capsys)
+    assert not (tmp_path / "summary.json").exists()
