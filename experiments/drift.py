@@ -177,11 +177,18 @@ class DriftEvaluator(RLCallback):
         arms = {"plain": None, "frozen": self.frozen_draft, "online": run.cotrain.speculator.draft,
                 "reference": self.reference_draft}
         rows = []
+        spec = run.preset.cotrain.spec
+        # warm-up prompts for the controller, apart from the timed ones
+        warm_pool = encode_prompts(run.tokenizer, run.task.examples("heldout", self.preset.eval_prompts, run.seed + 13))
         for b in self.preset.speed_batches:
-            # the online draft under the adaptive controller (plain decoding where speculation does not pay)
-            arms["adaptive"] = Speculator(run.cotrain.speculator.draft, run.preset.cotrain.spec)
-            arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=(1, 2, 3, 4)))
+            # the online draft under the adaptive controller (plain decoding where speculation does not pay),
+            # like for like: it may pick any chain length up to the other arms' gamma, and its statistics
+            # are warmed on other prompts before the timed runs
+            arms["adaptive"] = Speculator(run.cotrain.speculator.draft, spec)
+            arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
             prompts = (self.prompts * (1 + (2 * b) // len(self.prompts)))[: max(2 * b, 4)]
+            warm = (warm_pool * (1 + (2 * b) // len(warm_pool)))[: max(2 * b, 4)]
+            EmbeddedEngine(run.policy, EngineConfig(max_batch=b), speculator=arms["adaptive"]).generate(warm, params)
             results = self.time_arms(run, arms, b, prompts, params)
             base = results["plain"]["tokens_per_s"]
             rows += [{"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}

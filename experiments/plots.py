@@ -103,12 +103,17 @@ def plot_speedup_vs_batch(speed_rows, path: Path, bound_rows=None):
     plt.close(fig)
 
 
+def _num(x) -> float:
+    """A bound the run could not measure (None: no full-batch step) plots as a gap."""
+    return float("nan") if x is None else x
+
+
 def plot_sweep(rows, mode: str, xkey: str, xlabel: str, path: Path):
     """Measured speed-up (solid) and its bound (dashed) against `xkey`, one colour per batch size."""
     fig, ax = plt.subplots(figsize=(6, 3.6))
     batches = sorted({r["batch"] for r in rows if r["mode"] == mode})
     for i, b in enumerate(batches):
-        pts = sorted((r[xkey], r["speedup"], r["bound"]) for r in rows if r["mode"] == mode and r["batch"] == b)
+        pts = sorted((r[xkey], r["speedup"], _num(r["bound"])) for r in rows if r["mode"] == mode and r["batch"] == b)
         color = plt.cm.viridis(i / max(1, len(batches) - 1))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=color, label=f"batch {b}")
         ax.plot([p[0] for p in pts], [p[2] for p in pts], ls="--", color=color, lw=1)
@@ -138,7 +143,7 @@ def speed_plots(out) -> list[Path]:
         spec = [r for r in rows if r["batch"] == b and r["mode"] != "plain"]
         if spec:
             top = max(spec, key=lambda r: r["speedup"])
-            best.append({"batch": b, "arm": "best configuration", "speedup": top["speedup"], "bound": top["bound"]})
+            best.append({"batch": b, "arm": "best configuration", "speedup": top["speedup"], "bound": _num(top["bound"])})
     if best:
         paths.append(out / "speedup_vs_batch.png")
         plot_speedup_vs_batch(best, paths[-1], bound_rows=best)

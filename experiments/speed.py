@@ -11,7 +11,7 @@ measurement, so the gap (efficiency = speed-up / bound) shows what the decode lo
 from __future__ import annotations
 
 from rollout.speculative import SpecConfig
-from specrl.bench import format_row, measure_speculation, plain_row, save_summary, speed_setup
+from specrl.bench import MEASUREMENT, format_row, format_table, measure_batch, model_summary, save_summary, speed_setup
 
 
 def sweep_configs(gammas, tree_budgets, tree_depth: int, tree_topk: int) -> list[SpecConfig]:
@@ -29,14 +29,14 @@ def run_speed(out_dir, *, preset: str = "quick", task: str = "arith", batches=(1
     rows = []
     for b in batches:
         prompts = prompts_for(b * prompts_per_batch)
-        plain, row = plain_row(policy, prompts, params, b, repeats)
-        rows.append(row)
-        log(format_row(row))
-        for scfg in configs:
-            rows.append(measure_speculation(policy, draft, prompts, params, b, scfg, plain, repeats))
-            log(format_row(rows[-1]))
+        new = measure_batch(policy, draft, prompts, params, b, configs, repeats=repeats)  # every arm in turns
+        rows.extend(new)
+        for row in new:
+            log(format_row(row))
     summary = save_summary(out_dir, {"benchmark": "speed_sweep", "task": task, "preset": preset,
-                                     "temperature": temperature, "rows": rows})
+                                     "temperature": temperature, "model": model_summary(policy, draft),
+                                     "measurement": MEASUREMENT, "rows": rows})
+    log(format_table(summary["rows"]))
     if plots:
         from experiments.plots import speed_plots
         speed_plots(out_dir)

@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from rollout.profile import StepProfiler, tick
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
 from target_training.model import KVCache, ModelOutput, MoETransformer
@@ -90,6 +91,8 @@ class EmbeddedEngine:
         # called as hook(n_active, n_slots) after every engine step: the rollout's long tail is
         # an idle window for co-located work (specrl's draft trainer uses it)
         self.step_hooks: list = []
+        # optional: per-phase wall time of every engine step (rollout.profile; benchmarks only)
+        self.profiler: StepProfiler | None = None
 
     @property
     def device(self) -> torch.device:
@@ -134,20 +137,31 @@ class EmbeddedEngine:
             if active:
                 act_states = [slots[i] for i in active]
                 t_step = time.perf_counter()
+                prof = self.profiler
                 if spec is not None and spec.should_speculate(len(active)):
+                    if prof is not None:
+                        prof.begin("spec", len(active), prefill is not None)
                     L = cache.lengths[torch.tensor(active)].clone()
                     try:
                         result = spec.step(self, cache, active, act_states, params, capture_features, prefill)
                         spec.observe(len(active), time.perf_counter() - t_step, result)
+                        kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
                         cache.rollback(torch.tensor(active), L)
                         spec.on_fault(err)
                         self._decode_step(cache, active, act_states, params, capture_features, spec,
                                           None if prefill is None or prefill.done else prefill)
+                        kind = "fault"
+                    if prof is not None:
+                        prof.end(kind)
                 else:
+                    if prof is not None:
+                        prof.begin("plain", len(active), prefill is not None)
                     self._decode_step(cache, active, act_states, params, capture_features, spec, prefill)
                     if spec is not None:
                         spec.observe(len(active), time.perf_counter() - t_step, None)
+                    if prof is not None:
+                        prof.end()
                 steps += 1
                 for hook in self.step_hooks:
                     hook(len(active), n_slots)
@@ -157,7 +171,7 @@ class EmbeddedEngine:
         wall = time.perf_counter() - t0
         n_tokens = sum(len(s.tokens) for s in states)
         self.last_stats = {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / max(wall, 1e-9),
-                           "engine_steps": steps}
+                           "engine_steps": steps, "spec_faults": int(spec is not None and spec.faulted)}
         return [self._to_trajectory(s, capture_features) for s in states]
 
     # -- internals ------------------------------------------------------------------------
@@ -251,13 +265,16 @@ class EmbeddedEngine:
         slot_ids = torch.tensor(active, device=self.device)
         ids = torch.tensor([[s.last_token] for s in states], device=self.device)
         out = self.forward(cache, slot_ids, ids, params, capture, spec, prefill)
+        tick(self.profiler, "forward")
         if capture:
             feats = out.features(self.model.cfg.feature_layer_ids)
             for r, s in enumerate(states):
                 s.features.append(feats[r].to(torch.float16).cpu())
         if spec is not None:
             spec.on_plain_step(slot_ids, ids, out)
+        tick(self.profiler, "features")
         self._emit(states, out.logits[:, -1], params)
+        tick(self.profiler, "emit")
 
     def tap_layers(self, capture: bool, spec) -> tuple[int, ...]:
         return self.model.cfg.feature_layer_ids if (capture or spec is not None) else ()

@@ -21,6 +21,7 @@ import torch
 
 from draft_models.checkpoint import check_draft_against_target
 from rollout import acceptance as acc
+from rollout.profile import tick
 from rollout.protocol import SamplingParams
 from rollout.sampling import coupled_noise, policy_logprobs, process_logits
 from rollout.tree import accepted_kv_positions, gather_path, node_depths, select_nodes, tree_attention_mask
@@ -104,6 +105,7 @@ class SpecSession:
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]  # features not yet fed to the draft
         self.max_len = max_len
         self.faulted = False
+        self._prof = None  # the engine's StepProfiler during a step, if one is attached
 
     # -- hooks called by the engine -------------------------------------------------------
     def should_speculate(self, n_active: int) -> bool:
@@ -149,53 +151,96 @@ class SpecSession:
     def step(self, engine, cache, active: list[int], states, params: SamplingParams, capture: bool,
              prefill=None) -> dict:
         """Draft, verify and accept for the active slots; `prefill` (newly admitted prompts) rides
-        along in the verify forward (EmbeddedEngine.forward)."""
+        along in the verify forward (EmbeddedEngine.forward).
+
+        Chains and trees differ in drafting, the verify block and the acceptance rule
+        (`_chain_block`, `_tree_block`); what follows acceptance is shared and batched
+        (`_commit`). From the verify forward on, nothing is read back from the device until
+        `_commit` hands the emitted tokens back in one transfer; the draft's health check
+        (NaN or +inf logits) travels with it, and a bad draft is reported as a fault before any
+        slot state changes (the engine then rolls the target cache back and decodes plainly)."""
         slots = torch.tensor(active, device=cache.lengths.device)
         L = cache.lengths[slots]  # (B,)
         depth = self.depth()  # the caches carry `block_slack` spare positions for the verify block
-        h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, Vd)
-        if bool(torch.isnan(q_last).any() or torch.isposinf(q_last).any()):  # -inf marks non-draft tokens
-            raise FloatingPointError("draft produced NaN or infinite logits")
+        prof = self._prof = engine.profiler
+        if prof is not None:
+            prof.set_gamma(depth)
+        h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, V)
+        bad = (torch.isnan(q_last) | torch.isposinf(q_last)).any()  # -inf marks non-draft tokens
         ctx = _Sampling(params, engine, states, depth)
         roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
-        taps = engine.model.cfg.feature_layer_ids
-        if self.cfg.mode == "chain":
-            tokens, draft_logp = self._draft_chain(slots, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
-            self.cache.rollback(slots, L)
-            block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
-            out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill)
-            n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
-            steps = torch.arange(depth + 1, device=slots.device)
-            path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
-            drafted_depths = torch.full_like(n_acc, depth)
-        else:
-            tokens, parents, draft_logp, valid, verified = self._draft_tree(slots, h_last, q_last, depth, ctx)
-            self.cache.rollback(slots, L)
-            block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, N): root, then the drafted nodes
-            block_parents = torch.cat([torch.full_like(roots[:, None], -1), parents], 1)
-            block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
-            block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
-            depths = node_depths(block_parents)  # (B, N)
-            out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
-                                 positions=L[:, None] + depths, attn_mask=tree_attention_mask(block_parents, block_verified))
-            path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
-                                                    draft_logp, out.logits)
-            drafted_depths = depths.masked_fill(~block_valid, 0).max(1).values  # (B,)
+        tick(prof, "draft_features")
+        block = self._chain_block if self.cfg.mode == "chain" else self._tree_block
+        v = block(engine, cache, slots, L, roots, h_last, q_last, depth, ctx, params, capture, prefill)
+        tick(prof, "accept")
+        return self._commit(engine, slots, active, states, params, capture, depth, v, bad)
+
+    def _chain_block(self, engine, cache, slots, L, roots, h_last, q_last, depth: int, ctx, params, capture,
+                     prefill) -> "_Verified":
+        tokens, draft_logp = self._draft_chain(slots, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
+        self.cache.rollback(slots, L, check=False)
+        block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
+        tick(self._prof, "draft")
+        out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill)
+        tick(self._prof, "verify_forward")
+        n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
+        steps = torch.arange(depth + 1, device=slots.device)
+        path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
+        cache.rollback(slots, L + n_acc + 1, check=False)  # the accepted prefix is already contiguous
+        return _Verified(block_tokens, out, path, n_acc, next_tok, torch.full_like(n_acc, depth))
+
+    def _tree_block(self, engine, cache, slots, L, roots, h_last, q_last, depth: int, ctx, params, capture,
+                    prefill) -> "_Verified":
+        tokens, parents, draft_logp, valid, verified = self._draft_tree(slots, h_last, q_last, depth, ctx)
+        self.cache.rollback(slots, L, check=False)
+        block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, N): root, then the drafted nodes
+        block_parents = torch.cat([torch.full_like(roots[:, None], -1), parents], 1)
+        block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
+        block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
+        depths = node_depths(block_parents)  # (B, N)
+        mask = tree_attention_mask(block_parents, block_verified)
+        tick(self._prof, "draft")
+        out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
+                             positions=L[:, None] + depths, attn_mask=mask)
+        tick(self._prof, "verify_forward")
+        path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
+                                                draft_logp, out.logits)
         # keep the accepted path's KV entries contiguous after position L
         src, n_keep = accepted_kv_positions(path, L)
-        if self.cfg.mode == "tree":
-            cache.compact(slots, src, L)  # chains are already contiguous
-        cache.rollback(slots, L + n_keep)
-        feats = gather_path(path, out.features(taps), fill=0)  # (B, W, 3H)
-        # emitted tokens: the accepted drafts, then the target's own; each token's log-prob comes
-        # from the verify logits at the node before it (the policy's exact distribution there)
-        emitted = torch.cat([gather_path(path, block_tokens, fill=0)[:, 1:], next_tok[:, None]], 1)  # (B, W)
+        cache.compact(slots, src, L)
+        cache.rollback(slots, L + n_keep, check=False)
+        return _Verified(block_tokens, out, path, n_acc, next_tok, depths.masked_fill(~block_valid, 0).max(1).values)
+
+    def _commit(self, engine, slots, active, states, params: SamplingParams, capture: bool, depth: int,
+                v: "_Verified", bad: torch.Tensor) -> dict:
+        """Accepted features to the draft, emitted tokens and log-probs to the slot states.
+
+        Each slot emits its accepted drafts, then the target's own token; each token's log-prob
+        comes from the verify logits at the node before it (the policy's exact distribution
+        there). Stop tokens and length budgets are applied here with tensor ops, so the hand-back
+        is one transfer of (tokens, counts) plus the log-probs."""
+        taps = engine.model.cfg.feature_layer_ids
+        path, n_acc, next_tok = v.path, v.n_acc, v.next_tok
+        B, W = path.shape
+        dev = path.device
+        n_keep = n_acc + 1  # (B,) root + accepted drafts = tokens emitted
+        feats = gather_path(path, v.out.features(taps), fill=0)  # (B, W, 3H)
+        emitted = torch.cat([gather_path(path, v.block_tokens, fill=0)[:, 1:], next_tok[:, None]], 1)  # (B, W)
         emitted.scatter_(1, n_acc[:, None], next_tok[:, None])
-        lp_all = policy_logprobs(out.logits, params.temperature)  # (B, N, V)
-        emitted_lp = gather_path(path, lp_all, fill=0).gather(2, emitted[..., None])[..., 0]  # (B, W)
-        rows = zip(active, states, n_keep.tolist(), drafted_depths.tolist(), emitted.tolist(), emitted_lp.tolist())
+        path_logits = gather_path(path, v.out.logits, fill=0)  # (B, W, V): the node before each token
+        emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
+        budget = torch.tensor([s.max_new - len(s.tokens) for s in states], device=dev)  # (B,) all >= 1
+        n_emit = emit_counts(emitted, n_keep, budget, params.stop_token_ids)  # (B,)
+        tick(self._prof, "cache_features")
+        packed = torch.cat([emitted, n_keep[:, None], n_emit[:, None], v.drafted_depths[:, None],
+                            bad.long().expand(B, 1)], 1).tolist()  # the hand-back
+        lps = emitted_lp.tolist()
+        if packed[0][-1]:
+            raise FloatingPointError("draft produced NaN or infinite logits")
+        stops = params.stop_token_ids
         emitted_total = drafted_total = 0
-        for r, (slot, st, k, drafted_depth, toks, lps) in enumerate(rows):  # k = root + accepted drafts
+        for r, (slot, st, row, lp_row) in enumerate(zip(active, states, packed, lps)):
+            k, n, drafted_depth = row[W], row[W + 1], row[W + 2]
             self.pending[slot] = [feats[r, :k]]
             if capture:
                 st.features.append(feats[r, :k].to(torch.float16).cpu())
@@ -203,33 +248,54 @@ class SpecSession:
                 st.spec.record(drafted_depth, k - 1)
             emitted_total += k
             drafted_total += drafted_depth
-            for t, lp in zip(toks[:k], lps[:k]):
-                if not engine.append_token(st, t, lp, params):
-                    break
-        n = len(active)
-        return {"gamma": depth, "tokens_per_seq": emitted_total / n, "accepted": emitted_total - n,
+            st.tokens.extend(row[:n])
+            st.logprobs.extend(lp_row[:n])
+            if row[n - 1] in stops:
+                st.finish_reason = "stop"
+            elif len(st.tokens) >= st.max_new:
+                st.finish_reason = "length"
+        tick(self._prof, "emit")
+        return {"gamma": depth, "tokens_per_seq": emitted_total / B, "accepted": emitted_total - B,
                 "drafted": drafted_total}
 
     # -- drafting ------------------------------------------------------------------------
     def _feed_pending(self, slots: torch.Tensor, states):
-        """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output."""
+        """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output.
+
+        One draft forward pads every row to the longest pending run and writes that many
+        positions after each row's D, so a slot deep into its context beside a freshly admitted
+        long prompt would run past the draft cache. The rows are therefore fed in as few groups
+        as fit (`fit_groups`): one forward in the common case, two when continuous batching
+        mixes a long new prompt with a slot near the context end. Each row's own entries and
+        outputs are the same either way (padding sits after a row's last real position)."""
         feats = [torch.cat(self.pending[s], 0) for s in slots.tolist()]
-        n = torch.tensor([f.shape[0] for f in feats], device=slots.device)
-        M = int(n.max())
-        D = self.cache.lengths[slots]
-        B = len(feats)
+        n = torch.tensor([f.shape[0] for f in feats], device=slots.device)  # (B,)
+        D = self.cache.lengths[slots]  # (B,)
+        B, H = len(feats), feats[0].shape[-1]
         dtype = self.draft.fc.weight.dtype
-        hidden = torch.zeros(B, M, feats[0].shape[-1], dtype=dtype, device=slots.device)
-        ids = torch.zeros(B, M, dtype=torch.long, device=slots.device)
-        for r, (f, st) in enumerate(zip(feats, states)):
-            full = st.prompt + st.tokens
-            d = int(D[r])
-            hidden[r, : f.shape[0]] = f.to(dtype)
-            ids[r, : f.shape[0]] = torch.tensor(full[d + 1 : d + 1 + f.shape[0]])
-        prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=slots)
-        self.cache.rollback(slots, D + n)
-        rows = torch.arange(B, device=slots.device)
-        return prenorm[rows, n - 1], self.draft.to_target_logits(logits[rows, n - 1])
+        h_last = q_last = None
+        for rows in fit_groups(D.tolist(), n.tolist(), self.cache.max_len):
+            M = max(int(n[r]) for r in rows)
+            hidden = torch.zeros(len(rows), M, H, dtype=dtype, device=slots.device)
+            ids = torch.zeros(len(rows), M, dtype=torch.long, device=slots.device)
+            for i, r in enumerate(rows):
+                f, st, d = feats[r], states[r], int(D[r])
+                full = st.prompt + st.tokens
+                hidden[i, : f.shape[0]] = f.to(dtype)
+                ids[i, : f.shape[0]] = torch.tensor(full[d + 1 : d + 1 + f.shape[0]])
+            idx = torch.tensor(rows, device=slots.device)
+            tick(self._prof, "draft_features")
+            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=slots[idx])
+            self.cache.rollback(slots[idx], D[idx] + n[idx])
+            last = n[idx] - 1
+            ar = torch.arange(len(rows), device=slots.device)
+            h_g, q_g = prenorm[ar, last], self.draft.to_target_logits(logits[ar, last])  # (G, H), (G, V)
+            if h_last is None:
+                h_last = h_g.new_empty(B, *h_g.shape[1:])
+                q_last = q_g.new_empty(B, *q_g.shape[1:])
+            h_last[idx], q_last[idx] = h_g, q_g
+            tick(self._prof, "draft")
+        return h_last, q_last
 
     def _draft_step(self, slots, hidden, tokens, positions=None, mask=None):
         prenorm, logits = self.draft(tokens, hidden, cache=self.cache, slots=slots, positions=positions,
@@ -314,6 +380,52 @@ class SpecSession:
             verified = keep_valid
         draft_logp = cand_q[rows, keep]  # (B, N, V) node -> q for its children
         return tok[rows, keep][:, 1:], new_parents[:, 1:], draft_logp, keep_valid[:, 1:], verified[:, 1:]
+
+def fit_groups(starts: list[int], counts: list[int], capacity: int) -> list[list[int]]:
+    """Split rows into groups whose padded write fits a cache of `capacity` positions.
+
+    Row r writes counts[r] entries from starts[r]; a group's forward pads to its largest count,
+    so it needs max(starts) + max(counts) <= capacity. Every row fits on its own (the engine
+    never lets a slot outgrow its cache). Greedy: take the row with the most entries, then every
+    other row that fits beside it; repeat. One group whenever everything fits together."""
+    order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
+    groups: list[list[int]] = []
+    while order:
+        room = capacity - counts[order[0]]  # the group's padded width is its first row's count
+        if starts[order[0]] > room:
+            raise ValueError(f"KV cache overflow: a row needs {starts[order[0]] + counts[order[0]]} positions, "
+                             f"cache holds {capacity}")
+        group = [r for r in order if starts[r] <= room]
+        groups.append(sorted(group))
+        order = [r for r in order if starts[r] > room]
+    return groups
+
+
+@dataclass
+class _Verified:
+    """What a verify block leaves for `SpecSession._commit`."""
+
+    block_tokens: torch.Tensor  # (B, N) root, then the drafted tokens / nodes
+    out: object  # the target's ModelOutput over the block
+    path: torch.Tensor  # (B, W) accepted nodes, root first, -1 padded
+    n_acc: torch.Tensor  # (B,) accepted drafts
+    next_tok: torch.Tensor  # (B,) the target's own token after them
+    drafted_depths: torch.Tensor  # (B,) deepest drafted node along which acceptance was tested
+
+
+def emit_counts(emitted: torch.Tensor, n_keep: torch.Tensor, budget: torch.Tensor, stop_ids) -> torch.Tensor:
+    """How many of each row's emitted tokens (B, W) are appended: the first n_keep[b], cut after
+    the first stop token and at the row's remaining length budget[b] (B,). The same tokens a
+    token-by-token append with stop and length checks would keep."""
+    W = emitted.shape[1]
+    n = torch.minimum(n_keep, budget)
+    if stop_ids:
+        cols = torch.arange(W, device=emitted.device)
+        stop = torch.isin(emitted, torch.tensor(stop_ids, device=emitted.device)) & (cols < n[:, None])  # (B, W)
+        first = torch.where(stop, cols, W).min(1).values + 1  # (B,) through the first stop token
+        n = torch.minimum(n, first)
+    return n
+
 
 def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_valid):
     """Rejection sampling over siblings needs every drafted sibling that precedes an accepted

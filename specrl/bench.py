@@ -65,99 +65,181 @@ def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int]
 
 
 # -- speculative decoding speed ------------------------------------------------------------
-def _median_seconds(fn, repeats: int = 15) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+# How each figure of a speed row is measured; written into every speed summary.
+MEASUREMENT = {
+    "tokens_per_s": "generated tokens / wall seconds of one EmbeddedEngine.generate() call on the row's prompts, "
+                    "best of the timed repeats after one warm-up call; engines of one batch size take turns "
+                    "within each repeat (no profiler attached)",
+    "accept_length": "tokens emitted per verify step (accepted drafts + the target's own), over all sequences",
+    "alpha": "accepted / drafted draft tokens",
+    "target_step_s": "lower quartile (25th percentile, robust to OS preemption) of the wall time of the target's forward in the plain engine's real decode steps "
+                     "(EmbeddedEngine._decode_step on the row's prompts, steps with every slot busy and no "
+                     "admitted prompt riding along), from one extra profiled run (rollout.profile)",
+    "verify_s": "lower quartile of the wall time of the target's verify forward in the speculative engine's real steps "
+                "(SpecSession.step: real drafted tokens, so the experts a real block wakes), same step selection",
+    "draft_step_s": "lower quartile of the draft time of a real speculative step (the forward over the pending target features, "
+                    "then the chain or tree steps, with their sampling) divided by the drafted depth gamma",
+    "c": "draft_step_s / target_step_s",
+    "verify_cost": "verify_s / target_step_s",
+    "bound": "accept_length / (verify_cost + gamma * c) (DESIGN section 4): the speed-up if the loop around "
+             "the forwards cost nothing",
+    "efficiency": "speedup / bound",
+    "profile": "mean seconds per step of each phase (rollout.profile) over the profiled run's full-batch steps",
+}
 
 
-@torch.no_grad()
-def step_costs(policy, draft, prompts: list[list[int]], spec_cfg) -> dict:
-    """Seconds of one single-token target step, one verify forward and one draft step, at this batch.
+def profiled_run(engine, prompts, params):
+    """One generate() with a StepProfiler attached; returns (trajectories, profiler)."""
+    from rollout.profile import StepProfiler
 
-    Each is timed on caches prefilled with the prompts and rolled back after every call, so
-    all three see the same context lengths."""
-    from rollout.speculative import Speculator
-    from rollout.tree import tree_attention_mask
-    from target_training.model import KVCache
+    engine.profiler = StepProfiler(engine.device)
+    try:
+        trajs = engine.generate(prompts, params)
+    finally:
+        prof, engine.profiler = engine.profiler, None
+    return trajs, prof
 
-    B = len(prompts)
-    cfg = policy.cfg
-    spec = Speculator(draft, spec_cfg)
-    cache = KVCache.for_model(cfg, B, cfg.max_seq_len + spec.block_slack())
-    dcache = draft.new_cache(B, cfg.max_seq_len + spec.block_slack())
-    T = max(len(p) for p in prompts)
-    ids = torch.zeros(B, T, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in prompts])
-    slots = torch.arange(B)
-    out = policy(ids, cache=cache, tap_layers=cfg.feature_layer_ids)
-    cache.rollback(slots, lens)
-    feats = out.features(cfg.feature_layer_ids)
-    draft(ids, feats, cache=dcache)
-    dcache.rollback(slots, lens)
-    taps = cfg.feature_layer_ids
-    if spec_cfg.mode == "chain":
-        n_verify, n_draft = spec_cfg.gamma + 1, 1
-        parents = torch.arange(-1, n_verify - 1).expand(B, n_verify)
-    else:
-        n_verify, n_draft = spec_cfg.tree_budget + 1, spec_cfg.tree_topk
-        parents = torch.tensor([-1] + [(i - 1) // spec_cfg.tree_topk for i in range(1, n_verify)]).expand(B, n_verify)
-    vmask = tree_attention_mask(parents, torch.ones(B, n_verify, dtype=torch.bool))
-    one = ids[:, :1]
-    block = ids[:, :1].expand(B, n_verify).contiguous()
-    dh = torch.zeros(B, n_draft, draft.cfg.hidden_size)
-    dids = ids[:, :1].expand(B, n_draft).contiguous()
 
-    def target_step():
-        policy(one, cache=cache, slots=slots, tap_layers=taps)
-        cache.rollback(slots, lens)
+def engine_step_costs(plain_prof, spec_prof, batch: int, gamma: int) -> dict:
+    """The bound's parts from real engine steps (see MEASUREMENT): target step, verify forward
+    and draft step, each the lower quartile (rollout.profile.low_quartile) over the profiled runs' full-batch steps without a fused
+    prefill. Rows with no such step (a batch larger than the prompts) get None."""
+    from rollout.profile import low_quartile
 
-    def verify():
-        policy(block, cache=cache, slots=slots, attn_mask=vmask, tap_layers=taps)
-        cache.rollback(slots, lens)
-
-    def draft_step():
-        draft(dids, dh, cache=dcache, slots=slots)
-        dcache.rollback(slots, lens)
-
-    t1, tv, td = _median_seconds(target_step), _median_seconds(verify), _median_seconds(draft_step)
+    plain = plain_prof.select("plain", batch)
+    spec = [r for r in spec_prof.select("spec", batch) if r.gamma == gamma]
+    if not plain or not spec:
+        return {"target_step_s": None, "verify_s": None, "draft_step_s": None, "verify_cost": None, "c": None,
+                "cost_samples": {"plain_steps": len(plain), "spec_steps": len(spec)}}
+    t1 = low_quartile([r.phases["forward"] for r in plain])
+    tv = low_quartile([r.phases["verify_forward"] for r in spec])
+    td = low_quartile([r.phases.get("draft", 0.0) for r in spec]) / gamma
     return {"target_step_s": t1, "verify_s": tv, "draft_step_s": td, "verify_cost": tv / t1, "c": td / t1,
-            "verify_tokens": n_verify}
+            "cost_samples": {"plain_steps": len(plain), "spec_steps": len(spec)}}
 
 
-def measure_speculation(policy, draft, prompts, params, batch: int, spec_cfg, plain: dict, repeats: int = 3) -> dict:
-    """One speculative configuration at one batch size against a plain run on the same prompts:
-    tokens/s, speed-up, accept length, alpha, measured costs and the DESIGN section 4 bound."""
-    from rollout.speculative import Speculator
+def step_profile(prof, batch: int) -> dict:
+    """Where the steps' time goes: phase breakdown of the full-batch steps of a profiled run."""
+    from rollout.profile import PLAIN_PHASES, SPEC_PHASES, phase_breakdown
 
-    engine = EmbeddedEngine(policy, EngineConfig(max_batch=batch), speculator=Speculator(draft, spec_cfg))
-    r = timed_generate(engine, prompts, params, repeats=repeats)
-    same = [t.token_ids for t in r["trajectories"]] == [t.token_ids for t in plain["trajectories"]]
-    agg = summarize_spec_stats(t.spec for t in r["trajectories"])
-    costs = step_costs(policy, draft, prompts[:batch], spec_cfg)
-    bound = agg["accept_length"] / (costs["verify_cost"] + spec_cfg.gamma * costs["c"])
-    speedup = r["tokens_per_s"] / plain["tokens_per_s"]
+    out = {}
+    for kind, phases in (("plain", PLAIN_PHASES), ("spec", SPEC_PHASES)):
+        recs = prof.select(kind, batch)
+        if recs:
+            out[kind] = phase_breakdown(recs, phases)
+    return out
+
+
+def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, profile: dict) -> dict:
+    """One speculative row: speed against plain, acceptance, the bound from measured costs."""
+    same = [t.token_ids for t in timed["trajectories"]] == [t.token_ids for t in plain_timed["trajectories"]]
+    agg = summarize_spec_stats(t.spec for t in timed["trajectories"])
+    speedup = timed["tokens_per_s"] / plain_timed["tokens_per_s"]
+    bound = eff = None
+    if costs["c"] is not None:
+        bound = agg["accept_length"] / (costs["verify_cost"] + spec_cfg.gamma * costs["c"])
+        eff = speedup / bound
     return {"batch": batch, "mode": spec_cfg.mode, "gamma": spec_cfg.gamma,
             "tree_budget": spec_cfg.tree_budget if spec_cfg.mode == "tree" else None,
-            "tokens_per_s": r["tokens_per_s"], "speedup": speedup, "accept_length": agg["accept_length"],
-            "alpha": agg["accept_rate"], "c": costs["c"], "verify_cost": costs["verify_cost"],
-            "verify_tokens": costs["verify_tokens"], "bound": bound, "efficiency": speedup / bound,
-            "identical_to_plain": same}
+            "tokens_per_s": timed["tokens_per_s"], "speedup": speedup, "accept_length": agg["accept_length"],
+            "alpha": agg["accept_rate"], "c": costs["c"], "verify_cost": costs["verify_cost"], "bound": bound,
+            "efficiency": eff, "identical_to_plain": same, "target_step_s": costs["target_step_s"],
+            "verify_s": costs["verify_s"], "draft_step_s": costs["draft_step_s"],
+            "cost_samples": costs["cost_samples"], "profile": profile}
+
+
+def adaptive_speculator(draft, spec_cfg, gammas):
+    """A chain speculator under the speculation controller (plain decoding where it does not pay)."""
+    from rollout.speculative import Speculator
+    from specrl.controller import ControllerConfig, SpeculationController
+
+    spec = Speculator(draft, spec_cfg)
+    spec.controller = SpeculationController(ControllerConfig(gammas=tuple(gammas)))
+    return spec
+
+
+def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repeats: int = 3,
+                  adaptive_gammas=None, warm_prompts=None) -> list[dict]:
+    """Plain decoding and every speculative configuration at one batch size, on the same
+    prompts: timed in turns (`timed_generate_interleaved`), then one profiled run each for the
+    bound's measured parts. With `adaptive_gammas`, also the chain draft under the controller,
+    whose statistics are warmed on `warm_prompts` (other prompts) before any timing."""
+    from rollout.speculative import Speculator
+
+    engines = {"plain": EmbeddedEngine(policy, EngineConfig(max_batch=batch))}
+    for i, scfg in enumerate(spec_cfgs):
+        engines[i] = EmbeddedEngine(policy, EngineConfig(max_batch=batch), speculator=Speculator(draft, scfg))
+    if adaptive_gammas:
+        engines["adaptive"] = EmbeddedEngine(policy, EngineConfig(max_batch=batch),
+                                             speculator=adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas))
+        for _ in range(2):
+            engines["adaptive"].generate(warm_prompts, params)
+    timed = timed_generate_interleaved(engines, prompts, params, repeats)
+    profs = {name: profiled_run(e, prompts, params)[1] for name, e in engines.items() if name != "adaptive"}
+    plain = timed["plain"]
+    rows = [{"batch": batch, "mode": "plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0,
+             "profile": step_profile(profs["plain"], batch)}]
+    for i, scfg in enumerate(spec_cfgs):
+        costs = engine_step_costs(profs["plain"], profs[i], batch, scfg.gamma)
+        rows.append(spec_row(batch, scfg, timed[i], plain, costs, step_profile(profs[i], batch)))
+    if adaptive_gammas:
+        r = timed["adaptive"]
+        agg = summarize_spec_stats(t.spec for t in r["trajectories"])
+        ctrl = engines["adaptive"].speculator.controller.summary()
+        bucket = ctrl["buckets"].get(engines["adaptive"].speculator.controller.bucket_of(batch), {})
+        rows.append({"batch": batch, "mode": "adaptive", "gamma": None, "gammas": list(adaptive_gammas),
+                     "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
+                     "accept_length": agg["accept_length"], "alpha": agg["accept_rate"],
+                     "identical_to_plain": [t.token_ids for t in r["trajectories"]]
+                     == [t.token_ids for t in plain["trajectories"]],
+                     "controller_gamma": bucket.get("gamma")})
+    return rows
+
+
+def measure_speculation(policy, draft, prompts, params, batch: int, spec_cfg, plain: dict | None = None,
+                        repeats: int = 3) -> dict:
+    """One speculative configuration at one batch size against plain decoding on the same
+    prompts (timed in turns with it): tokens/s, speed-up, accept length, alpha, the measured
+    costs and the DESIGN section 4 bound. `plain` is accepted for callers of the older
+    signature and ignored: plain is re-timed beside the speculative engine."""
+    return measure_batch(policy, draft, prompts, params, batch, [spec_cfg], repeats=repeats)[1]
+
+
+def _fmt(v, spec: str = ".2f") -> str:
+    return "" if v is None else (str(v) if isinstance(v, (bool, str)) else format(v, spec))
 
 
 def format_row(row: dict) -> str:
     if row["mode"] == "plain":
         return f"batch {row['batch']:>3} plain: {row['tokens_per_s']:8.1f} tok/s"
-    tag = f"{row['mode']} g={row['gamma']}" + (f" n={row['tree_budget']}" if row.get("tree_budget") else "")
+    tag = (f"adaptive g={row.get('controller_gamma')}" if row["mode"] == "adaptive"
+           else f"{row['mode']} g={row['gamma']}" + (f" n={row['tree_budget']}" if row.get("tree_budget") else ""))
     return (f"batch {row['batch']:>3} {tag:>14}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
-            f"tau {row['accept_length']:.2f}  alpha {row['alpha']:.2f}  c {row['c']:.2f}  verify {row['verify_cost']:.2f}  "
-            f"bound {row['bound']:.2f}  eff {row['efficiency']:.2f}")
+            f"tau {_fmt(row.get('accept_length'))}  alpha {_fmt(row.get('alpha'))}  c {_fmt(row.get('c'), '.3f')}  "
+            f"verify {_fmt(row.get('verify_cost'))}  bound {_fmt(row.get('bound'))}  eff {_fmt(row.get('efficiency'))}  "
+            f"identical {_fmt(row.get('identical_to_plain'))}")
+
+
+TABLE_COLUMNS = (("batch", "d"), ("mode", "s"), ("tokens_per_s", ".1f"), ("speedup", ".2f"), ("accept_length", ".2f"),
+                 ("alpha", ".2f"), ("c", ".3f"), ("verify_cost", ".2f"), ("bound", ".2f"), ("efficiency", ".2f"),
+                 ("identical_to_plain", "s"))
+
+
+def format_table(rows: list[dict]) -> str:
+    """The rows as a Markdown table (the README's form)."""
+    head = ["batch", "mode", "tokens/s", "speedup", "tau", "alpha", "c", "verify", "bound", "eff", "identical"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = []
+        for key, spec in TABLE_COLUMNS:
+            v = r.get(key)
+            if key == "mode" and r["mode"] == "adaptive":
+                v = f"adaptive (g={r.get('controller_gamma')})"
+            elif key == "mode" and r["mode"] != "plain":
+                v = f"{r['mode']} g={r['gamma']}" + (f" n={r['tree_budget']}" if r.get("tree_budget") else "")
+            cells.append(_fmt(v, spec) if not isinstance(v, str) else v)
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperature: float):
@@ -181,11 +263,6 @@ def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperat
     return policy, draft, params, prompts_for
 
 
-def plain_row(policy, prompts, params, batch: int, repeats: int = 3) -> tuple[dict, dict]:
-    plain = timed_generate(EmbeddedEngine(policy, EngineConfig(max_batch=batch)), prompts, params, repeats=repeats)
-    return plain, {"batch": batch, "mode": "plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0}
-
-
 def save_summary(out_dir, summary: dict) -> dict:
     summary["rows"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in summary["rows"]]
     summary["machine"] = machine_info()
@@ -197,9 +274,10 @@ def save_summary(out_dir, summary: dict) -> dict:
 
 def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
                 chain_gamma: int = 4, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
-                prompts_per_batch: int = 3, temperature: float = 0.0) -> dict:
-    """Plain, chain and tree decoding at each batch size, all in one process, plus the measured
-    parts of the speed-up bound: accept length, per-token acceptance, draft cost c, verify cost."""
+                prompts_per_batch: int = 3, temperature: float = 0.0, repeats: int = 3, log=print) -> dict:
+    """Plain, chain, tree and adaptive (chain under the controller) decoding at each batch size,
+    timed in turns on the same prompts, with the bound's parts measured on the engine's own
+    steps (MEASUREMENT) and where each step's time goes (`profile` of every row)."""
     from rollout.speculative import SpecConfig
 
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
@@ -208,10 +286,57 @@ def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *
     rows = []
     for b in batches:
         prompts = prompts_for(b * prompts_per_batch)
-        plain, row = plain_row(policy, prompts, params, b)
+        warm = prompts_for(2 * b * prompts_per_batch)[b * prompts_per_batch:]  # other prompts for the controller
+        new = measure_batch(policy, draft, prompts, params, b, modes, repeats=repeats,
+                            adaptive_gammas=tuple(range(1, chain_gamma + 1)), warm_prompts=warm)
+        rows.extend(new)
+        for row in new:
+            log(format_row(row))
+    summary = save_summary(out_dir, {"benchmark": "speed", "task": task_name, "preset": preset_name,
+                                     "temperature": temperature, "model": model_summary(policy, draft),
+                                     "measurement": MEASUREMENT, "rows": rows})
+    log(format_table(summary["rows"]))
+    return summary
+
+
+def model_summary(policy, draft) -> dict:
+    return {"target_parameters": policy.num_parameters(), "target_layers": policy.cfg.num_layers,
+            "draft_parameters": draft.num_parameters()}
+
+
+def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
+                  chain_gamma: int = 4, prompts_per_batch: int = 3, temperature: float = 0.0, log=print) -> dict:
+    """`specrl bench profile`: where a plain and a chain-speculative step spend their time
+    (rollout.profile phases), one warm-up and one profiled run per engine and batch size."""
+    from rollout.speculative import SpecConfig, Speculator
+
+    policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
+    scfg = SpecConfig(mode="chain", gamma=chain_gamma)
+    rows = []
+    for b in batches:
+        prompts = prompts_for(b * prompts_per_batch)
+        engines = {"plain": EmbeddedEngine(policy, EngineConfig(max_batch=b)),
+                   "chain": EmbeddedEngine(policy, EngineConfig(max_batch=b), speculator=Speculator(draft, scfg))}
+        profs = {}
+        for name, e in engines.items():
+            e.generate(prompts[:2], params)  # warm-up
+            profs[name] = profiled_run(e, prompts, params)[1]
+        costs = engine_step_costs(profs["plain"], profs["chain"], b, chain_gamma)
+        row = {"batch": b, "gamma": chain_gamma, **costs,
+               "plain": step_profile(profs["plain"], b).get("plain"), "chain": step_profile(profs["chain"], b).get("spec")}
         rows.append(row)
-        rows.extend(measure_speculation(policy, draft, prompts, params, b, scfg, plain) for scfg in modes)
-        for row in rows[-3:]:
-            print(format_row(row))
-    return save_summary(out_dir, {"benchmark": "speed", "task": task_name, "preset": preset_name,
-                                  "temperature": temperature, "rows": rows})
+        log(format_profile(row))
+    return save_summary(out_dir, {"benchmark": "profile", "task": task_name, "preset": preset_name,
+                                  "temperature": temperature, "model": model_summary(policy, draft),
+                                  "measurement": MEASUREMENT, "rows": rows})
+
+
+def format_profile(row: dict) -> str:
+    lines = [f"batch {row['batch']:>3}:"]
+    for kind in ("plain", "chain"):
+        p = row.get(kind)
+        if not p or not p.get("steps"):
+            continue
+        parts = "  ".join(f"{k} {v * 1e3:.2f}ms ({p['phase_fraction'][k]:.0%})" for k, v in p["phase_s"].items())
+        lines.append(f"  {kind:>5} step {p['step_s'] * 1e3:.2f}ms over {p['steps']} steps: {parts}")
+    return "\n".join(lines)

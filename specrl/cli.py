@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", help="run preset: ci, quick or full")
+    p.add_argument("--preset", default="quick", help="run preset: ci, quick, speed, drift or full")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, default=None, help="where SFT warm starts are cached (default ~/.cache/specrl or $SPECRL_CACHE)")
@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--gamma", type=int, default=4, help="chain length of the chain rows (the controller may use 1..gamma)")
+    f = bsub.add_parser("profile", help="where plain and chain-speculative engine steps spend their time")
+    _add_common(f)
+    f.add_argument("--batches", default="1,4,16")
+    f.add_argument("--temperature", type=float, default=0.0)
 
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
@@ -124,10 +129,19 @@ def run(args: argparse.Namespace) -> dict:
         return bench_generate(args.task, args.preset, args.out, args.batch_list,
                               seed=args.seed, cache_dir=args.cache_dir)
     if args.command == "bench" and args.bench == "speed":
+        from rollout.speculative import MAX_SPEC_DEPTH
         from specrl.bench import bench_speed
 
+        if not 0 < args.gamma <= MAX_SPEC_DEPTH:
+            raise ValueError(f"--gamma must be in [1, {MAX_SPEC_DEPTH}], got {args.gamma}")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
-                           seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+                           seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
+                           chain_gamma=args.gamma)
+    if args.command == "bench" and args.bench == "profile":
+        from specrl.bench import bench_profile
+
+        return bench_profile(args.task, args.preset, args.out, args.batch_list,
+                             seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
     if args.command == "drift":
         from experiments.drift import run_drift
 

@@ -87,7 +87,7 @@ class KVCache:
         if attn_mask is None:
             attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
         W = attn_mask.shape[-1]
-        if W < T or bool((start < W - T).any()):
+        if W < T or (W > T and bool((start < W - T).any())):  # W == T fits always (no sync)
             raise ValueError(f"attn_mask window of {W} keys does not fit a block of {T} after the cached entries")
         offs = torch.arange(T, device=device)
         keys = torch.arange(end, device=device)  # (S,)
@@ -102,11 +102,13 @@ class KVCache:
     def all_slots(self) -> torch.Tensor:
         return torch.arange(self.batch_size, device=self.lengths.device)
 
-    def rollback(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Truncate each slot to the given length (must not exceed its current length)."""
+    def rollback(self, slots: torch.Tensor, lengths: torch.Tensor, check: bool = True) -> None:
+        """Truncate each slot to the given length (must not exceed its current length).
+        `check=False` skips the range check (a host sync on an accelerator) for callers whose
+        lengths are right by construction (the speculative step's own rollbacks)."""
         slots = torch.as_tensor(slots, device=self.lengths.device)
         lengths = torch.as_tensor(lengths, device=self.lengths.device, dtype=torch.long).expand_as(slots)
-        if bool((lengths > self.lengths[slots]).any()) or bool((lengths < 0).any()):
+        if check and (bool((lengths > self.lengths[slots]).any()) or bool((lengths < 0).any())):
             raise ValueError("KVCache.rollback: new length must lie in [0, current length]")
         self.lengths[slots] = lengths
 

@@ -1,0 +1,82 @@
+"""Step profiling (rollout.profile), the batched emission of the speculative step, and the
+bound's parts measured on the engine's own steps (specrl.bench)."""
+import random
+
+import pytest
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig, SlotState
+from rollout.profile import PLAIN_PHASES, SPEC_PHASES, StepProfiler, low_quartile, phase_breakdown
+from rollout.protocol import SamplingParams
+from rollout.speculative import SpecConfig, Speculator, emit_counts
+from specrl.bench import engine_step_costs, profiled_run, step_profile
+from specrl.train_rl import encode_prompts
+
+
+def test_emit_counts_match_token_by_token_append():
+    """The tensor rule keeps exactly the tokens EmbeddedEngine.append_token would, one by one."""
+    rng = random.Random(0)
+    for _ in range(300):
+        B, W = rng.randint(1, 5), rng.randint(1, 6)
+        stops = tuple(rng.sample(range(6), rng.randint(0, 2)))
+        emitted = torch.randint(0, 6, (B, W))
+        n_keep = torch.randint(1, W + 1, (B,))
+        states = [SlotState(0, 0, [1], max_new=rng.randint(1, 8)) for _ in range(B)]
+        for s in states:
+            s.tokens = [7] * rng.randint(0, s.max_new - 1)  # at least one token of budget left
+        budget = torch.tensor([s.max_new - len(s.tokens) for s in states])
+        got = emit_counts(emitted, n_keep, budget, stops).tolist()
+        params = SamplingParams(stop_token_ids=stops)
+        for b, s in enumerate(states):
+            want = 0
+            for t in emitted[b, : int(n_keep[b])].tolist():
+                want += 1
+                if not EmbeddedEngine.append_token(s, t, 0.0, params):
+                    break
+            assert got[b] == want
+
+
+def test_low_quartile_and_breakdown():
+    assert low_quartile([5.0, 1.0, 3.0, 2.0, 4.0]) == 2.0
+    assert low_quartile([7.0]) == 7.0
+    with pytest.raises(ValueError):
+        low_quartile([])
+    prof = StepProfiler()
+    prof.begin("plain", 2, False)
+    prof.mark("forward")
+    prof.end()
+    out = phase_breakdown(prof.records, PLAIN_PHASES)
+    assert out["steps"] == 1 and set(out["phase_s"]) == set(PLAIN_PHASES)
+    assert sum(out["phase_s"].values()) == pytest.approx(out["step_s"])
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_profiled_engine_steps(sft_policy, offline_draft, one_thread, mode):
+    """A profiler changes no token; every step is recorded with its phases, and the bound's
+    parts come out of the real steps."""
+    tokenizer, task, policy, _ = sft_policy
+    prompts = encode_prompts(tokenizer, task.examples("heldout", 6, 3))
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
+    cfg = SpecConfig(mode=mode, gamma=3, tree_topk=3, tree_budget=8)
+    plain_engine = EmbeddedEngine(policy, EngineConfig(max_batch=3))
+    spec_engine = EmbeddedEngine(policy, EngineConfig(max_batch=3), speculator=Speculator(offline_draft, cfg))
+    unprofiled = spec_engine.generate(prompts, params)
+    plain_trajs, plain_prof = profiled_run(plain_engine, prompts, params)
+    spec_trajs, spec_prof = profiled_run(spec_engine, prompts, params)
+    assert plain_engine.profiler is None and spec_engine.profiler is None
+    assert [t.token_ids for t in spec_trajs] == [t.token_ids for t in unprofiled] == [t.token_ids for t in plain_trajs]
+    assert plain_engine.last_stats["engine_steps"] == len(plain_prof.records)
+    assert spec_engine.last_stats["engine_steps"] == len(spec_prof.records)
+    spec_steps = spec_prof.select("spec", None, None)
+    assert spec_steps and all(r.gamma == 3 for r in spec_steps)
+    for r in spec_steps:
+        assert set(r.phases) <= set(SPEC_PHASES)
+        assert {"draft", "verify_forward", "accept", "cache_features", "emit"} <= set(r.phases)
+        assert sum(r.phases.values()) == pytest.approx(r.total_s)
+    costs = engine_step_costs(plain_prof, spec_prof, 3, 3)
+    assert costs["cost_samples"]["plain_steps"] > 0 and costs["cost_samples"]["spec_steps"] > 0
+    assert costs["verify_cost"] > 0 and costs["c"] > 0
+    prof = step_profile(spec_prof, 3)
+    assert prof["spec"]["steps"] == costs["cost_samples"]["spec_steps"]
+    # a batch size no step ran at gives no figures rather than wrong ones
+    assert engine_step_costs(plain_prof, spec_prof, 7, 3)["c"] is None
