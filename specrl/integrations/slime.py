@@ -263,7 +263,7 @@ class SlimeSpecConfig:
     capture_prefixes: tuple[str, ...] = ("",)  # store_prefix of the actor's own log-prob pass
     seq_first: bool = True
     # Draft pushes: SGLangEngineConfig fields (see rollout/sglang_engine.py).
-    draft_route_flag: str | None = None
+    legacy_draft_flag: str | None = None  # older servers only; 0.5.23 routes pushes with selector="draft"
     hold_shared_draft_names: bool = False
     # HF names of the served target that a draft tensor name could hit (Llama/Qwen layout).
     target_param_names: tuple[str, ...] = ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight")
@@ -314,7 +314,7 @@ class SlimeSpecRuntime:
         self.tap = FeatureTap(gpt, layer_ids, seq_first=cfg.seq_first)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         if engines is None:
-            engines = [SGLangEngine(SGLangEngineConfig(base_url=u, draft_route_flag=cfg.draft_route_flag,
+            engines = [SGLangEngine(SGLangEngineConfig(base_url=u, legacy_draft_flag=cfg.legacy_draft_flag,
                                                        hold_shared_draft_names=cfg.hold_shared_draft_names))
                        for u in cfg.engine_urls]
         for e in engines:
