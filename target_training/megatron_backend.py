@@ -60,29 +60,41 @@ from target_training.model import ModelOutput
 
 
 class FeatureTaps:
-    """Forward hooks on `model.decoder.layers[i]` that keep each tapped layer's output.
+    """Forward hooks on the tapped `model.decoder.layers` that keep each tapped layer's output:
+    the one Megatron feature tap (MegatronPolicy's ModelOutput.taps, slime's log-prob capture).
 
-    Megatron's TransformerLayer returns (hidden (T, B, H), context); the hook stores (B, T, H),
-    the same tensor specrl's `ModelOutput.taps[i]` holds (the residual stream after layer i)."""
+    Layers are found by Megatron's 1-based `layer_number` (global, so a pipeline stage holding
+    layers 8..15 is tapped by the same ids), falling back to the position in `decoder.layers`.
+    Megatron's TransformerLayer returns (hidden (T, B, H), context); with `seq_first` the hook
+    stores (B, T, H), the tensor specrl's `ModelOutput.taps[i]` holds (the residual stream after
+    layer i). `when()` false (e.g. a disarmed capture) skips the store; nothing else is done."""
 
-    def __init__(self, model, layer_ids: Sequence[int]):
+    def __init__(self, model, layer_ids: Sequence[int], *, seq_first: bool = True, when=None):
         self.layer_ids = tuple(int(i) for i in layer_ids)
+        self.seq_first, self.when = seq_first, when
         self.taps: dict[int, torch.Tensor] = {}
         layers = model.decoder.layers
-        for i in self.layer_ids:
-            if not 0 <= i < len(layers):
-                raise MegatronBackendError(f"tap layer {i} is out of range for {len(layers)} layers")
-        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
+        by_id = {int(getattr(layer, "layer_number", i + 1)) - 1: layer for i, layer in enumerate(layers)}
+        missing = [i for i in self.layer_ids if i not in by_id]
+        if missing:
+            raise MegatronBackendError(f"tap layers {missing} are not on this rank (have {sorted(by_id)}); "
+                                       f"pipeline parallelism must keep the taps on one stage")
+        self._handles = [by_id[i].register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))]
 
     def _hook(self, i: int):
         def hook(module, args, output):
+            if self.when is not None and not self.when():
+                return
             hidden = output[0] if isinstance(output, tuple) else output
-            self.taps[i] = hidden.transpose(0, 1)  # (T, B, H) -> (B, T, H)
+            self.taps[i] = hidden.transpose(0, 1) if self.seq_first else hidden  # (T, B, H) -> (B, T, H)
         return hook
 
     def features(self) -> torch.Tensor:
         """EAGLE-3 fused feature (B, T, 3H) of the last forward."""
         return torch.cat([self.taps[i] for i in self.layer_ids], dim=-1)
+
+    def clear(self) -> None:
+        self.taps = {}
 
     def remove(self) -> None:
         for h in self._handles:

@@ -286,3 +286,55 @@ def test_config_from_json_and_init(tmp_path, monkeypatch):
         sl.megatron_init(SimpleNamespace())
     with pytest.raises(ValueError, match="not configured"):
         sl.before_log_prob_hook(SimpleNamespace(), [Wrapper(GPTModel())], "")
+
+
+def test_feature_tap_fault_never_reaches_the_host_forward(setup):
+    s = setup
+    seqs = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    sl.before_log_prob_hook(s.args, s.model, "")
+
+    def broken(*a, **k):
+        raise RuntimeError("injected tap failure")
+
+    s.rt.tap.layers.features = broken  # the capture fails inside Megatron's forward
+    ids = torch.cat([torch.tensor(x) for x in seqs])[None]
+    with pytest.warns(RuntimeWarning, match="feature tap disabled for this step: RuntimeError: injected"):
+        with torch.no_grad():
+            logits = s.model[0](input_ids=ids, packed_seq_params=SimpleNamespace(
+                cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32)))
+    assert logits.shape == (1, 12, V)  # the host forward completed with its own output
+    assert s.rt.tap.faults == 1 and not s.rt.tap.armed and s.rt.tap.records == []
+    del s.rt.tap.layers.features  # the next step captures again
+    sl.before_log_prob_hook(s.args, s.model, "")
+    packed_forward(s.model, seqs)
+    assert len(s.rt.tap.records) == 2
+
+
+def test_draft_oom_skips_co_training_and_the_train_step_goes_on(setup):
+    s = setup
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        sl.before_log_prob_hook(s.args, s.model, "")
+        packed_forward(s.model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    s.rt.trainer.train_step = oom
+    n = len(s.server.requests)
+    with pytest.warns(RuntimeWarning, match="draft step skipped .*OutOfMemoryError"):
+        sl.before_train_step_hook(s.args, 0, 0, s.model, None, None)
+    m = s.rt.metrics
+    assert m["train/draft_faults"] == 1 and len(s.server.requests) == n  # nothing pushed
+    del s.rt.trainer.train_step
+    with torch.no_grad():  # the host's next forward is unaffected
+        assert s.model[0](input_ids=torch.tensor([[3, 4, 5]])).shape == (1, 3, V)
+
+
+def test_captured_records_are_bounded(setup):
+    s = setup
+    s.rt.tap.max_records = 3
+    sl.before_log_prob_hook(s.args, s.model, "")
+    packed_forward(s.model, [[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]])
+    packed_forward(s.model, [[3, 4, 5]])
+    assert len(s.rt.tap.records) == 3 and s.rt.tap.dropped == 2

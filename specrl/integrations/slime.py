@@ -51,6 +51,7 @@ from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, parse_spec_m
 from specrl.buffer import FeatureBuffer
 from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
 from target_training.config import MoEConfig
+from target_training.megatron_backend import FeatureTaps, MegatronBackendError
 
 CONFIG_ENV = "SPECRL_SLIME_CONFIG"
 # Field names of slime's Sample.SpecInfo (the commit named in the module docstring).
@@ -153,33 +154,38 @@ def unwrap(chunk):
 
 
 class FeatureTap:
-    """Forward hooks on the three tap layers of a Megatron GPTModel.
+    """Captures EAGLE-3 training records from the log-prob forward of a Megatron GPTModel.
 
-    Megatron's TransformerLayer returns (hidden_states, context) with hidden_states
-    (seq, batch, hidden); slime's log-prob forward packs sequences into batch 1 and passes
-    `packed_seq_params.cu_seqlens_q`. While armed, every forward adds one record per packed
-    sequence: input_ids (T,), fused features (T, 3H) in half precision, and a loss mask (every
-    token but the first, or only the last `response_lengths[i]` tokens when given)."""
+    The three tap layers are read by `target_training.megatron_backend.FeatureTaps` (the one
+    Megatron feature tap); this class adds what slime's forward needs: slime packs sequences into
+    batch 1 and passes `packed_seq_params.cu_seqlens_q`, so while armed every forward adds one
+    record per packed sequence: input_ids (T,), fused features (T, 3H) in half precision, and a
+    loss mask (every token but the first, or only the last `response_lengths[i]` tokens when given).
+
+    Fault isolation: the hooks run inside the host's forward and never raise into it. A capture
+    that fails (unexpected shapes, a layer that did not run, ...) disarms the tap, so co-training
+    skips that step, and is counted in `faults` with the error in `last_error`. Memory is bounded:
+    at most `max_records` records wait to be drained; later ones are dropped and counted in
+    `dropped`."""
 
     def __init__(self, gpt_model, layer_ids: Sequence[int], seq_first: bool = True,
-                 feature_dtype: torch.dtype = torch.float16):
+                 feature_dtype: torch.dtype = torch.float16, max_records: int = 4096):
+        if max_records <= 0:
+            raise ValueError(f"max_records must be positive, got {max_records}")
         self.model, self.layer_ids = gpt_model, tuple(int(i) for i in layer_ids)
-        self.seq_first, self.feature_dtype = seq_first, feature_dtype
-        layers = gpt_model.decoder.layers
-        by_id = {int(getattr(layer, "layer_number", i + 1)) - 1: layer for i, layer in enumerate(layers)}
-        missing = [i for i in self.layer_ids if i not in by_id]
-        if missing:
-            raise ValueError(f"tap layers {missing} are not on this rank (have {sorted(by_id)}); pipeline "
-                             f"parallelism must keep the three taps on one stage")
+        self.seq_first, self.feature_dtype, self.max_records = seq_first, feature_dtype, int(max_records)
+        try:
+            self.layers = FeatureTaps(gpt_model, self.layer_ids, seq_first=seq_first, when=lambda: self.armed)
+        except MegatronBackendError as e:
+            raise ValueError(str(e)) from None
         self.armed = False
         self.records: list[dict] = []
         self.response_lengths: list[int] | None = None
+        self.faults, self.dropped, self.last_error = 0, 0, None
         self._cursor = 0  # next entry of response_lengths
-        self._outs: dict[int, torch.Tensor] = {}
         self._inputs: tuple | None = None
-        self._handles = [by_id[i].register_forward_hook(self._layer_hook(i)) for i in self.layer_ids]
-        self._handles.append(gpt_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-        self._handles.append(gpt_model.register_forward_hook(self._post_hook))
+        self._handles = [gpt_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                         gpt_model.register_forward_hook(self._post_hook)]
 
     def arm(self) -> None:
         self.armed = True
@@ -194,34 +200,45 @@ class FeatureTap:
         self.armed = False
 
     def remove(self) -> None:
+        self.layers.remove()
         for h in self._handles:
             h.remove()
         self._handles = []
 
-    def _layer_hook(self, layer_id: int):
-        def hook(module, args, output):
-            if self.armed:
-                out = output[0] if isinstance(output, tuple) else output
-                self._outs[layer_id] = out.detach()
-        return hook
+    def _fault(self, e: BaseException) -> None:
+        self.faults += 1
+        self.last_error = f"{type(e).__name__}: {e}"
+        self.disarm()
+        self._inputs = None
+        self.layers.clear()
+        warnings.warn(f"specrl feature tap disabled for this step: {self.last_error}", RuntimeWarning, stacklevel=2)
 
     def _pre_hook(self, module, args, kwargs):
-        if self.armed:
+        if not self.armed:
+            return
+        try:
             ids = kwargs.get("input_ids", args[0] if args else None)
             psp = kwargs.get("packed_seq_params")
             self._inputs = (ids, getattr(psp, "cu_seqlens_q", None))
-            self._outs = {}
+            self.layers.clear()
+        except Exception as e:  # noqa: BLE001 - never raise into the host forward
+            self._fault(e)
 
     def _post_hook(self, module, args, output):
         if not self.armed or self._inputs is None:
             return
+        try:
+            self._capture()
+        except Exception as e:  # noqa: BLE001 - never raise into the host forward
+            self._fault(e)
+
+    def _capture(self) -> None:
         ids, cu = self._inputs
         self._inputs = None
-        if len(self._outs) != len(self.layer_ids):
-            raise RuntimeError(f"feature tap saw layers {sorted(self._outs)} of {self.layer_ids} in one forward")
-        feats = torch.cat([self._outs[i] for i in self.layer_ids], dim=-1)
-        if self.seq_first:
-            feats = feats.transpose(0, 1)  # (batch, seq, 3H)
+        if len(self.layers.taps) != len(self.layer_ids):
+            raise RuntimeError(f"feature tap saw layers {sorted(self.layers.taps)} of {self.layer_ids} in one forward")
+        feats = self.layers.features().detach()  # (batch, seq, 3H) when seq_first
+        self.layers.clear()
         ids = ids.detach()
         if cu is not None:
             if ids.shape[0] != 1:
@@ -238,6 +255,9 @@ class FeatureTap:
                 self._cursor += 1
             else:
                 mask[1:] = True
+            if len(self.records) >= self.max_records:
+                self.dropped += 1
+                continue
             self.records.append({"input_ids": ids[row, a:b].cpu(), "loss_mask": mask,
                                  "features": feats[row, a:b].to("cpu", self.feature_dtype), "target_logp": None})
 
