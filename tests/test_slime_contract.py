@@ -11,6 +11,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -338,3 +339,62 @@ def test_captured_records_are_bounded(setup):
     packed_forward(s.model, [[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]])
     packed_forward(s.model, [[3, 4, 5]])
     assert len(s.rt.tap.records) == 3 and s.rt.tap.dropped == 2
+
+
+def _dp_worker(url: str, draft_dir: str, out_dir: str) -> None:
+    """One data-parallel rank of a slime job (run as a subprocess by the test below)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    gpt = GPTModel().eval()
+    config = sl.SlimeSpecConfig(draft_path=draft_dir, engine_urls=[url], min_buffer_records=2, max_draft_steps=2,
+                                time_budget_s=30.0, online=OnlineDraftConfig(batch_size=2, ttt_steps=2))
+    engine = SGLangEngine(SGLangEngineConfig(base_url=url, serializer=json_serializer))
+    args = SimpleNamespace(num_layers=L, padded_vocab_size=V)
+    model = [Wrapper(gpt)]
+    sl.configure(config, sl.SlimeSpecRuntime(config, args, model, engines=[engine]))
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own share of the data
+    for _ in range(2):
+        sl.before_log_prob_hook(args, model, "")
+        packed_forward(model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
+    rt = sl.runtime()
+    captured = len(rt.tap.records)
+    sl.before_train_step_hook(args, 0, 0, model, None, None)
+    torch.distributed.barrier()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(
+        {"captured": captured, "version": rt.trainer.version, "dp_rank": rt.dp_rank, "trains": rt.trains}))
+    torch.distributed.destroy_process_group()
+
+
+def test_one_draft_per_job_across_two_gloo_ranks(setup, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    s = setup
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    procs = [subprocess.Popen([sys.executable, __file__, s.server.url, s.config.draft_path, str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out.decode()[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["dp_rank"] for r in ranks] == [0, 1] and [r["trains"] for r in ranks] == [True, False]
+    assert ranks[0]["captured"] == 4 and ranks[0]["version"] > 0
+    assert ranks[1]["captured"] == 0 and ranks[1]["version"] == 0
+    pushes = [b for e, b in s.server.requests if e == "begin_weight_update"]
+    assert pushes == [{"selector": "draft"}]  # one push, from rank 0, for the whole job
+
+
+if __name__ == "__main__":
+    import sys
+
+    _dp_worker(*sys.argv[1:4])

@@ -287,6 +287,9 @@ class SlimeSpecConfig:
     hold_shared_draft_names: bool = False
     # HF names of the served target that a draft tensor name could hit (Llama/Qwen layout).
     target_param_names: tuple[str, ...] = ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight")
+    # One draft per job: only this data-parallel rank captures features, trains the draft and
+    # pushes it; the other ranks' hooks do nothing (their engines get the same draft from it).
+    draft_rank: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -311,6 +314,21 @@ class SlimeSpecConfig:
         if unknown:
             raise ValueError(f"{path}: unknown SlimeSpecConfig keys {unknown}")
         return cls(**d)
+
+
+def data_parallel_rank() -> int:
+    """This process's data-parallel rank: Megatron's when its parallel state is up, else the
+    torch.distributed rank, else 0 (one process)."""
+    try:
+        from megatron.core import parallel_state as mpu
+
+        if mpu.model_parallel_is_initialized():
+            return int(mpu.get_data_parallel_rank())
+    except ImportError:
+        pass
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
 
 
 class SlimeSpecRuntime:
@@ -343,16 +361,18 @@ class SlimeSpecRuntime:
         self.engines = engines
         self.faults = 0
         self.metrics: dict = {}
+        self.dp_rank = data_parallel_rank()
+        self.trains = self.dp_rank == cfg.draft_rank
 
     def on_log_prob(self, store_prefix: str) -> None:
-        if store_prefix in self.config.capture_prefixes:
+        if self.trains and store_prefix in self.config.capture_prefixes:
             self.tap.arm()
         else:
             self.tap.disarm()
 
     def on_train_step(self, rollout_id: int, step_id: int) -> dict:
         self.tap.disarm()
-        if step_id != 0:
+        if step_id != 0 or not self.trains:
             return {}
         cfg = self.config
         t0 = time.perf_counter()
