@@ -135,8 +135,8 @@ class InProcessTransport:
         unknown = sorted(set(body) - set(accepted))
         if not unknown:
             return fn(**body)
-        if endpoint == "update_weights_from_tensor" and unknown == ["selector"]:
-            return self._tensor_update_with_selector(body)
+        if endpoint == "update_weights_from_tensor" and "selector" in unknown:
+            return self._tensor_update_with_selector(body)  # its request type has every field we send
         raise WeightIsolationError(f"sglang.Engine.{endpoint} does not accept {unknown}")
 
     def _tensor_update_with_selector(self, body: dict):

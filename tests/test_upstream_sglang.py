@@ -291,3 +291,42 @@ def test_server_args_parse_with_sglangs_parser(sgl):
     bad = to_cli_args({"model_path": "/m", "speculative_draft_steps": 3})  # no such field
     with pytest.raises(SystemExit):
         parser.parse_args(bad)
+
+
+def test_in_process_engine_policy_sync_reaches_the_target_only(sgl, monkeypatch):
+    """sglang 0.5.23's `Engine.update_weights_from_tensor` takes no selector; the client bridges with
+    sglang's own request type. The Engine object is the real class (its begin/end/serialize methods
+    run), built without starting a server; its tokenizer manager is a stand-in that hands requests
+    to the real scheduler-side manager."""
+    import asyncio
+
+    from rollout.sglang_engine import InProcessTransport
+
+    engine_mod = import_sglang("sglang.srt.entrypoints.engine")
+    monkeypatch.setattr(engine_mod, "get_parallel", lambda: SimpleNamespace(tp_size=1))
+    target = {n: t.clone() for n, t in llama_policy(seed=1).items()}
+    draft = StandInEagle3(sgl)
+    sched = ThroughSGLangScheduler(sgl, monkeypatch, target, draft)
+
+    async def relay(name, req, request=None):
+        out = getattr(sched.manager, name)(req)
+        sched.bodies.append((name, req))
+        return out.success, out.message
+
+    eng = engine_mod.Engine.__new__(engine_mod.Engine)
+    eng.loop = asyncio.new_event_loop()
+    eng.tokenizer_manager = SimpleNamespace(
+        begin_weight_update=lambda req, r=None: relay("begin_weight_update", req),
+        end_weight_update=lambda req, r=None: relay("end_weight_update", req),
+        update_weights_from_tensor=lambda req, r=None: relay("update_weights_from_tensor", req))
+    client = SGLangEngine(SGLangEngineConfig(), transport=InProcessTransport(eng))
+    assert client.weight_api == "selector"
+    before = draft.snapshot()
+    new_policy = llama_policy(seed=4)
+    client.load_policy_weights(new_policy, version=2)
+    assert [n for n, _ in sched.bodies] == ["begin_weight_update", "update_weights_from_tensor", "end_weight_update"]
+    assert isinstance(sched.bodies[1][1], sgl.io.UpdateWeightsFromTensorReqInput)
+    assert sched.bodies[1][1].selector == "target" and sched.bodies[0][1].selector == "target"
+    assert all(torch.equal(target[n], t) for n, t in new_policy.items())
+    assert unchanged(before, draft) == []
+    eng.loop.close()

@@ -4,16 +4,18 @@
 # Why its own venv: verl 0.9.1 needs transformers<5.11 while sglang 0.5.23 pins 5.19.0 (the sglang
 # lane). verl installs with its dependencies (CPU torch pinned by constraints-cpu.txt); its agent
 # loop also imports cachetools, fastapi, uvicorn, pyzmq and msgspec, which verl does not list.
-# Idempotent: a venv whose verl already imports is reused. SPECRL_LANE_INSTALL_ONLY=1 stops after
+# Idempotent: a venv installed by this version of the script (stamp file) whose verl imports is reused. SPECRL_LANE_INSTALL_ONLY=1 stops after
 # the install.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=.venv-verl
 t0=$(date +%s)
-if ! "$VENV/bin/python" -c "import verl, pytest; assert verl.__version__ == '0.9.1'" >/dev/null 2>&1; then
+STAMP="$VENV/.specrl-lane-2"  # bump when the install list below changes
+if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import verl, pytest; assert verl.__version__ == '0.9.1'" >/dev/null 2>&1; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q -c constraints-cpu.txt torch==2.13.0 pytest verl==0.9.1 cachetools fastapi uvicorn \
         pyzmq msgspec
+    touch "$STAMP"
 fi
 t1=$(date +%s)
 echo "verl lane: install/check took $((t1 - t0)) s"
