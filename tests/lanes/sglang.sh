@@ -14,7 +14,7 @@ cd "$(dirname "$0")/../.."
 VENV=.venv-sglang
 t0=$(date +%s)
 STAMP="$VENV/.specrl-lane-2"  # bump when the install list below changes
-if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import sglang, pytest; assert sglang.__version__ == '0.5.23'" >/dev/null 2>&1; then
+if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('sglang') == '0.5.23'; import pytest" >/dev/null 2>&1; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q -c constraints-cpu.txt torch==2.13.0 pytest transformers==5.19.0 numpy safetensors \
         tqdm msgspec pyzmq pydantic fastapi pybase64 orjson setproctitle psutil requests pillow packaging IPython \

@@ -11,7 +11,7 @@ cd "$(dirname "$0")/../.."
 VENV=.venv-verl
 t0=$(date +%s)
 STAMP="$VENV/.specrl-lane-2"  # bump when the install list below changes
-if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import verl, pytest; assert verl.__version__ == '0.9.1'" >/dev/null 2>&1; then
+if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('verl') == '0.9.1'; import pytest" >/dev/null 2>&1; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q -c constraints-cpu.txt torch==2.13.0 pytest verl==0.9.1 cachetools fastapi uvicorn \
         pyzmq msgspec
