@@ -22,9 +22,11 @@ not a forward pass. This module wires the pieces through slime's documented plug
       draft with `specrl.online_trainer.OnlineDraftTrainer` within a time budget, and pushes it to
       every SGLang engine with `rollout.sglang_engine.SGLangEngine.push_draft`.
 
-The policy sync itself is slime's: it must reach the target runner only (SGLang's
-`disable_draft_model`), see docs/integrations/slime.md. A draft-side failure is caught, counted
-and warned about; the RL step goes on (DESIGN.md section 1).
+The policy sync itself is slime's: it must reach the target runner only (sglang 0.5.23:
+`selector="target"` in a weight-update session), see docs/integrations/slime.md. A draft-side
+failure is caught, counted and warned about, and the feature tap never raises into Megatron's
+forward; the RL step goes on (DESIGN.md section 1). Only data-parallel rank
+`SlimeSpecConfig.draft_rank` captures, trains and pushes, so a job has one draft.
 
 Field and signature sources: slime `slime/utils/types.py` (Sample, Sample.SpecInfo) and
 `docs/en/get_started/customization.md` (hook signatures) at THUDM/slime commit
