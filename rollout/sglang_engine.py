@@ -130,6 +130,8 @@ class SGLangEngine:
         self.policy_version: int | None = None
         self.last_push_held: list[str] = []
         self._vocab_maps: dict[str, torch.Tensor] | None = None
+        self._pushed: dict[str, torch.Tensor] = {}  # what the engine's draft holds now (CPU copies)
+        self.spec = None
         self._api: str | None = None if cfg.weight_api == "auto" else cfg.weight_api
 
     @classmethod
@@ -247,8 +249,29 @@ class SGLangEngine:
             named = [(n, t.detach().cpu()) for n, t in named.items() if n not in collide]
             self._send_tensors(named, selector, fields, "draft push")
             sent = [n for n, _ in named]
+        self._pushed.update({n: weights[n].detach().to("cpu", copy=True) for n in sent})
         self.draft_version = version
         return {"version": version, "sent": sent, "held": list(self.last_push_held)}
+
+    # -- the co-training core's draft-receiver interface (rollout.protocol.DraftReceiver) ----------
+    def install_draft(self, draft, spec, controller=None) -> None:
+        """Speculate with `draft`: SGLang's speculation settings are its launch arguments
+        (`rollout.sglang_args.sglang_server_args(..., spec)`), so only the weights move here
+        (pushed as version 0). A per-step controller has no SGLang counterpart and is refused."""
+        if controller is not None:
+            raise ValueError("SGLang speculates as its server arguments say; a per-step controller cannot be installed")
+        self.spec = spec
+        self.push_draft(draft, 0)
+
+    def draft_weights(self) -> tuple[dict[str, torch.Tensor], int | None]:
+        """The draft weights the engine holds (SGLang names, as last pushed) and their version."""
+        return dict(self._pushed), self.draft_version
+
+    @property
+    def draft_faults(self) -> list[str]:
+        """SGLangEngine absorbs no draft-side failure: a failed push raises to the caller (the
+        co-training core counts it); SGLang itself keeps serving with its previous draft."""
+        return []
 
     def _check_vocab_maps(self, weights: Mapping[str, torch.Tensor]) -> None:
         maps = {k: weights[k].detach().cpu() for k in VOCAB_MAP_NAMES if k in weights}

@@ -493,3 +493,21 @@ def test_in_process_engine_without_selector_kwarg_is_refused(pair):
     with pytest.raises(WeightIsolationError, match="takes no selector and this Engine lacks"):
         eng.load_policy_weights(target.state_dict())
     assert calls == [("begin", "target"), ("end",)]
+
+
+def test_draft_receiver_interface(fake, pair):
+    target, draft = pair
+    server = fake()
+    eng = engine_for(server)
+    spec = SpecConfig(mode="chain", gamma=3)
+    eng.install_draft(draft, spec)
+    weights, version = eng.draft_weights()
+    assert version == 0 and eng.spec is spec and eng.draft_faults == []
+    assert torch.equal(weights["fc.weight"], draft.fc.weight) and torch.equal(server.draft["model.fc.weight"],
+                                                                               draft.fc.weight)
+    fresh = trained(draft)
+    eng.push_draft(fresh, 5)
+    weights, version = eng.draft_weights()
+    assert version == 5 and torch.equal(weights["lm_head.weight"], fresh["lm_head.weight"])
+    with pytest.raises(ValueError, match="controller cannot be installed"):
+        eng.install_draft(draft, spec, controller=object())
