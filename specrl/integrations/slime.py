@@ -35,238 +35,29 @@ hook call order from slime's `megatron_utils` log-prob forward.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
 import time
-import urllib.request
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
 from draft_models.checkpoint import load_draft
-from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, parse_spec_meta, tokens_and_logprobs
+from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from specrl.buffer import FeatureBuffer
 from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
-from target_training.config import MoEConfig
-from target_training.megatron_backend import FeatureTaps, MegatronBackendError
+
+# The rollout side and the capture have modules of their own; their names are re-exported here,
+# the module slime's command-line paths name.
+from specrl.integrations.slime_capture import FeatureTap, default_tap_layers, unwrap  # noqa: F401
+from specrl.integrations.slime_generate import (SPEC_INFO_FIELDS, add_spec_info, generate,  # noqa: F401
+                                                register_tokenizer, spec_info_delta)
 
 CONFIG_ENV = "SPECRL_SLIME_CONFIG"
-# Field names of slime's Sample.SpecInfo (the commit named in the module docstring).
-SPEC_INFO_FIELDS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_token_num")
-
-
-# ---------------------------------------------------------------------------------------------
-# rollout side: the custom generate function
-# ---------------------------------------------------------------------------------------------
-def spec_info_delta(meta_info: Mapping) -> dict:
-    """One response's counters in slime's SpecInfo shape (zeros when SGLang did not speculate)."""
-    stats = parse_spec_meta(meta_info)
-    completion = int(meta_info.get("completion_tokens") or 0)
-    if stats is None:
-        return dict.fromkeys(SPEC_INFO_FIELDS, 0) | {"completion_token_num": completion}
-    return {"spec_accept_token_num": stats.accepted, "spec_draft_token_num": stats.drafted,
-            "spec_verify_ct": stats.verify_steps, "completion_token_num": completion}
-
-
-def add_spec_info(sample, meta_info: Mapping) -> None:
-    """Accumulate into sample.spec_info (added, not replaced: partial rollouts resume a sample)."""
-    for k, v in spec_info_delta(meta_info).items():
-        setattr(sample.spec_info, k, getattr(sample.spec_info, k) + v)
-
-
-_TOKENIZER = None
-
-
-def register_tokenizer(tokenizer) -> None:
-    """Use this tokenizer for sample.prompt (default: transformers AutoTokenizer of args.hf_checkpoint)."""
-    global _TOKENIZER
-    _TOKENIZER = tokenizer
-
-
-def _prompt_ids(args, sample) -> list[int]:
-    if sample.tokens:
-        return list(sample.tokens)
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from transformers import AutoTokenizer  # lazy: only slime's own environment has it
-
-        _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
-    if not isinstance(sample.prompt, str):
-        raise ValueError("specrl's generate takes text prompts or pre-tokenized sample.tokens")
-    return list(_TOKENIZER.encode(sample.prompt, add_special_tokens=False))
-
-
-def _post_json(url: str, body: dict, timeout_s: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read().decode())
-
-
-async def generate(args, sample, sampling_params: dict):
-    """slime's custom generate function: one SGLang /generate call through the router."""
-    status = type(sample).Status
-    if sample.status not in (status.PENDING, status.ABORTED):
-        raise ValueError(f"sample status is {sample.status}, expected PENDING or ABORTED")
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    ids = _prompt_ids(args, sample)
-    params = dict(sampling_params)
-    if sample.response_length:  # a resumed partial rollout: only the remaining budget
-        params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
-    if params["max_new_tokens"] <= 0:
-        sample.status = status.TRUNCATED
-        return sample
-    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-    out = await asyncio.to_thread(_post_json, url, body, float(getattr(args, "specrl_http_timeout_s", 600.0)))
-    meta = out.get("meta_info") or {}
-    new_ids, logps = tokens_and_logprobs(meta, out.get("output_ids"))
-    sample.tokens = ids + new_ids
-    sample.response = (sample.response or "") + (out.get("text") or "")
-    sample.response_length += len(new_ids)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + logps
-    add_spec_info(sample, meta)
-    if "weight_version" in meta:
-        sample.weight_versions.append(meta["weight_version"])
-    kind = (meta.get("finish_reason") or {}).get("type")
-    sample.status = {"length": status.TRUNCATED, "abort": status.ABORTED, "stop": status.COMPLETED}.get(
-        kind, status.COMPLETED)
-    return sample
-
-
-# ---------------------------------------------------------------------------------------------
-# trainer side: feature capture on Megatron's decoder layers
-# ---------------------------------------------------------------------------------------------
-def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high taps for an L-layer target, by the same rule as the MoE policy."""
-    return MoEConfig(num_layers=num_layers).feature_layer_ids
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers (each exposes the next as `.module`)."""
-    m = chunk
-    while not hasattr(m, "decoder") and hasattr(m, "module"):
-        m = m.module
-    if not hasattr(m, "decoder"):
-        raise ValueError(f"{type(chunk).__name__} holds no Megatron GPTModel (no .decoder)")
-    return m
-
-
-class FeatureTap:
-    """Captures EAGLE-3 training records from the log-prob forward of a Megatron GPTModel.
-
-    The three tap layers are read by `target_training.megatron_backend.FeatureTaps` (the one
-    Megatron feature tap); this class adds what slime's forward needs: slime packs sequences into
-    batch 1 and passes `packed_seq_params.cu_seqlens_q`, so while armed every forward adds one
-    record per packed sequence: input_ids (T,), fused features (T, 3H) in half precision, and a
-    loss mask (every token but the first, or only the last `response_lengths[i]` tokens when given).
-
-    Fault isolation: the hooks run inside the host's forward and never raise into it. A capture
-    that fails (unexpected shapes, a layer that did not run, ...) disarms the tap, so co-training
-    skips that step, and is counted in `faults` with the error in `last_error`. Memory is bounded:
-    at most `max_records` records wait to be drained; later ones are dropped and counted in
-    `dropped`."""
-
-    def __init__(self, gpt_model, layer_ids: Sequence[int], seq_first: bool = True,
-                 feature_dtype: torch.dtype = torch.float16, max_records: int = 4096):
-        if max_records <= 0:
-            raise ValueError(f"max_records must be positive, got {max_records}")
-        self.model, self.layer_ids = gpt_model, tuple(int(i) for i in layer_ids)
-        self.seq_first, self.feature_dtype, self.max_records = seq_first, feature_dtype, int(max_records)
-        try:
-            self.layers = FeatureTaps(gpt_model, self.layer_ids, seq_first=seq_first, when=lambda: self.armed)
-        except MegatronBackendError as e:
-            raise ValueError(str(e)) from None
-        self.armed = False
-        self.records: list[dict] = []
-        self.response_lengths: list[int] | None = None
-        self.faults, self.dropped, self.last_error = 0, 0, None
-        self._cursor = 0  # next entry of response_lengths
-        self._inputs: tuple | None = None
-        self._handles = [gpt_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-                         gpt_model.register_forward_hook(self._post_hook)]
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def set_response_lengths(self, lengths: Sequence[int] | None) -> None:
-        """Response lengths of the next captured sequences, in forward order (a trainer-side patch
-        that knows the batch can call this; slime's hook arguments do not carry it)."""
-        self.response_lengths = None if lengths is None else [int(n) for n in lengths]
-        self._cursor = 0
-
-    def disarm(self) -> None:
-        self.armed = False
-
-    def remove(self) -> None:
-        self.layers.remove()
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def _fault(self, e: BaseException) -> None:
-        self.faults += 1
-        self.last_error = f"{type(e).__name__}: {e}"
-        self.disarm()
-        self._inputs = None
-        self.layers.clear()
-        warnings.warn(f"specrl feature tap disabled for this step: {self.last_error}", RuntimeWarning, stacklevel=2)
-
-    def _pre_hook(self, module, args, kwargs):
-        if not self.armed:
-            return
-        try:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            psp = kwargs.get("packed_seq_params")
-            self._inputs = (ids, getattr(psp, "cu_seqlens_q", None))
-            self.layers.clear()
-        except Exception as e:  # noqa: BLE001 - never raise into the host forward
-            self._fault(e)
-
-    def _post_hook(self, module, args, output):
-        if not self.armed or self._inputs is None:
-            return
-        try:
-            self._capture()
-        except Exception as e:  # noqa: BLE001 - never raise into the host forward
-            self._fault(e)
-
-    def _capture(self) -> None:
-        ids, cu = self._inputs
-        self._inputs = None
-        if len(self.layers.taps) != len(self.layer_ids):
-            raise RuntimeError(f"feature tap saw layers {sorted(self.layers.taps)} of {self.layer_ids} in one forward")
-        feats = self.layers.features().detach()  # (batch, seq, 3H) when seq_first
-        self.layers.clear()
-        ids = ids.detach()
-        if cu is not None:
-            if ids.shape[0] != 1:
-                raise ValueError(f"packed sequences need batch 1, got input_ids {tuple(ids.shape)}")
-            bounds = [int(x) for x in cu.tolist()]
-            spans = [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        else:
-            spans = [(r, 0, ids.shape[1]) for r in range(ids.shape[0])]
-        for row, a, b in spans:
-            T = b - a
-            mask = torch.zeros(T, dtype=torch.bool)
-            if self.response_lengths is not None and self._cursor < len(self.response_lengths):
-                mask[T - min(T - 1, self.response_lengths[self._cursor]):] = True
-                self._cursor += 1
-            else:
-                mask[1:] = True
-            if len(self.records) >= self.max_records:
-                self.dropped += 1
-                continue
-            self.records.append({"input_ids": ids[row, a:b].cpu(), "loss_mask": mask,
-                                 "features": feats[row, a:b].to("cpu", self.feature_dtype), "target_logp": None})
-
-    def drain(self) -> list[dict]:
-        out, self.records = self.records, []
-        self.set_response_lengths(None)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
