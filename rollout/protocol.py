@@ -41,6 +41,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def accept_length(accepted: int, verify_steps: int) -> float:
+    """Tokens emitted per verify step: the accepted drafts plus the target's own token at each
+    step, (accepted + verify_steps) / verify_steps; 0.0 when nothing was verified. The one
+    reduction from engine counters to accept length (embedded engine, SGLang, slime, veRL)."""
+    return (accepted + verify_steps) / verify_steps if verify_steps else 0.0
+
+
 @dataclass
 class SpecStats:
     """Acceptance statistics of one sequence (speculative engines only)."""
@@ -54,7 +61,7 @@ class SpecStats:
     @property
     def accept_length(self) -> float:
         """Tokens emitted per verify step (accepted drafts + the target's own token)."""
-        return (self.accepted + self.verify_steps) / max(1, self.verify_steps)
+        return accept_length(self.accepted, self.verify_steps)
 
     def record(self, depth_drafted: int, n_accepted: int) -> None:
         need = depth_drafted
@@ -81,7 +88,7 @@ def summarize_spec_stats(stats) -> dict:
         n = sum(s.drafted_per_pos[d] for s in stats if len(s.drafted_per_pos) > d)
         a = sum(s.accepted_per_pos[d] for s in stats if len(s.accepted_per_pos) > d)
         per_pos.append(a / n if n else 0.0)
-    return {"accept_length": (accepted + verify) / verify if verify else 0.0,
+    return {"accept_length": accept_length(accepted, verify),
             "accept_rate": accepted / drafted if drafted else 0.0,
             "accept_rate_per_pos": per_pos, "verify_steps": verify}
 

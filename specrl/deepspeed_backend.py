@@ -4,10 +4,12 @@ Why: on one device `OnlineDraftTrainer` is enough (the draft is one decoder laye
 policy trains on N GPUs, every GPU has idle windows and its own share of the feature buffer, so
 the draft should train data-parallel on all of them, with its optimizer state sharded (ZeRO 1)
 and its gradients too (ZeRO 2) so the draft costs each rank a fraction of its memory budget.
-This module wraps the *same* step as the single-process trainer: records from a
-`FeatureBuffer` (or any list of capture_features-style records), `draft_models.train.collate`,
+This module runs the *same* step as the single-process trainer, from the parts
+`specrl.online_trainer` shares (`step_batch`, `step_loss`, `step_lr` with its warm-up,
+`step_metrics`): records from a `FeatureBuffer` (or any list of capture_features-style records),
 `draft_models.ttt.ttt_loss`, AdamW with the `OnlineDraftConfig` settings (the optimizer is built
 by `OnlineDraftTrainer` itself), gradient clipping at max_grad_norm over the global gradient.
+Only the reduction and the application of the gradients are DeepSpeed's.
 
 Equivalence: DeepSpeed averages gradients over ranks, and `ttt_loss` is a masked mean per TTT
 step; so N ranks on N shares of a global batch give the single-process update of the whole
@@ -34,9 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from draft_models.train import collate
 from draft_models.ttt import ttt_loss
-from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
+from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer, set_lr, step_batch, step_loss, step_lr, step_metrics
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -143,16 +144,13 @@ class DeepSpeedDraftTrainer:
         t0 = time.perf_counter()
         self.counters["steps"] += 1
         soft = self._all(all(r.get("target_logp") is not None for r in records))
-        if not soft:
-            records = [{**r, "target_logp": None} for r in records]
-        dtype = next(self.draft.parameters()).dtype
-        batch = collate(records, self.device, dtype)
+        records, batch = step_batch(records, self.device, next(self.draft.parameters()).dtype, soft=soft)
         self.engine.train()
-        loss, metrics = self.engine(batch["features"], batch["input_ids"], batch["target_logp"],
-                                    batch["loss_mask"], cfg.ttt_steps, cfg.acceptance_weight)
+        loss, metrics = step_loss(self.engine, batch, cfg)
         ok = self._all(math.isfinite(metrics["loss"]))
         if ok:
             self.engine.backward(loss)
+            set_lr(self.engine.optimizer, step_lr(cfg, self.counters["updates"]))
             self.engine.step()
             self.version += 1
             self.counters["updates"] += 1
@@ -160,11 +158,9 @@ class DeepSpeedDraftTrainer:
             self.engine.zero_grad()
             self.counters["skipped_nonfinite"] += 1
         gnorm = self.engine.get_global_grad_norm() if ok else float("nan")
-        draft_loss = metrics.pop("loss")
-        metrics.update(draft_loss=draft_loss, global_loss=self._mean(draft_loss),
-                       grad_norm=float(gnorm) if gnorm is not None else float("nan"),
-                       soft_targets=soft, skipped_nonfinite=not ok, version=self.version,
-                       batch_size=len(records), seconds=time.perf_counter() - t0)
+        metrics = step_metrics(metrics, records, grad_norm=float(gnorm) if gnorm is not None else float("nan"),
+                               soft=soft, ok=ok, version=self.version, t0=t0)
+        metrics["global_loss"] = self._mean(metrics["draft_loss"])
         return metrics
 
     def train_step_from_buffer(self, buffer, generator: torch.Generator | None, *,

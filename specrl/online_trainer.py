@@ -107,6 +107,53 @@ def check_draft_weights(weights: dict, reference: dict) -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------- the step's shared parts
+# One draft training step, shared by this trainer and the data-parallel DeepSpeed trainer
+# (specrl/deepspeed_backend.py): only how gradients are reduced and applied differs between them.
+def step_batch(records: list[dict], device, dtype, *, soft: bool) -> tuple[list[dict], dict]:
+    """The collated batch of one step: soft targets when `soft` (every record has target_logp),
+    else hard labels for the whole batch (collate needs one kind)."""
+    if not soft:
+        records = [{**r, "target_logp": None} for r in records]
+    return records, collate(records, device, dtype)
+
+
+def step_loss(loss_fn, batch: dict, cfg: OnlineDraftConfig):
+    """ttt_loss (or a module wrapping it) on a collated batch with the config's TTT settings."""
+    return loss_fn(batch["features"], batch["input_ids"], batch["target_logp"], batch["loss_mask"],
+                   cfg.ttt_steps, cfg.acceptance_weight)
+
+
+def step_lr(cfg: OnlineDraftConfig, updates_done: int) -> float:
+    """Learning rate of the next update: linear warm-up over `warmup_steps` updates, then flat."""
+    scale = min(1.0, (updates_done + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    return cfg.lr * scale
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def step_metrics(metrics: dict, records: list[dict], *, grad_norm: float, soft: bool, ok: bool, version: int,
+                 t0: float) -> dict:
+    """ttt_loss's metrics plus the step's own (draft_loss, grad_norm, staleness, ...)."""
+    versions = [int(r["policy_version"]) for r in records if "policy_version" in r]
+    draft_loss = metrics.pop("loss")
+    metrics.update(draft_loss=draft_loss, grad_norm=grad_norm, soft_targets=soft, skipped_nonfinite=not ok,
+                   skipped_empty=False, version=version, batch_size=len(records),
+                   staleness=(max(versions) - min(versions)) if versions else 0,
+                   seconds=time.perf_counter() - t0)
+    return metrics
+
+
+def _ttt(draft):
+    def loss_fn(features, input_ids, target_logp, loss_mask, steps, acceptance_weight):
+        return ttt_loss(draft, features, input_ids, target_logp, loss_mask, steps=steps,
+                        acceptance_weight=acceptance_weight)
+    return loss_fn
+
+
 class OnlineDraftTrainer:
     """Owns the draft being trained and its AdamW; `version` numbers its weights (+1 per update
     and per rollback, so a consumer can tell any change)."""
@@ -170,17 +217,12 @@ class OnlineDraftTrainer:
             return {"draft_loss": float("nan"), "skipped_empty": True, "skipped_nonfinite": False,
                     "version": self.version, "seconds": time.perf_counter() - t0}
         soft = all(r.get("target_logp") is not None for r in records)
-        if not soft:
-            records = [{**r, "target_logp": None} for r in records]
-        device, dtype = self.draft.fc.weight.device, self.draft.fc.weight.dtype
-        batch = collate(records, device, dtype)
+        records, batch = step_batch(records, self.draft.fc.weight.device, self.draft.fc.weight.dtype, soft=soft)
         was_training = self.draft.training
         self.draft.train()
         try:
             with torch.enable_grad():
-                loss, metrics = ttt_loss(self.draft, batch["features"], batch["input_ids"], batch["target_logp"],
-                                         batch["loss_mask"], steps=cfg.ttt_steps,
-                                         acceptance_weight=cfg.acceptance_weight)
+                loss, metrics = step_loss(_ttt(self.draft), batch, cfg)
                 self.optimizer.zero_grad(set_to_none=True)
                 ok = math.isfinite(metrics["loss"])
                 gnorm = float("nan")
@@ -190,9 +232,7 @@ class OnlineDraftTrainer:
                     ok = math.isfinite(gnorm)
                 rolled_back = False
                 if ok:
-                    scale = min(1.0, (self.counters["updates"] + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-                    for group in self.optimizer.param_groups:
-                        group["lr"] = cfg.lr * scale
+                    set_lr(self.optimizer, step_lr(cfg, self.counters["updates"]))
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                     if self.weights_finite():
@@ -210,13 +250,8 @@ class OnlineDraftTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.draft.train(was_training)
-        versions = [int(r["policy_version"]) for r in records if "policy_version" in r]
-        draft_loss = metrics.pop("loss")
-        metrics.update(draft_loss=draft_loss, grad_norm=gnorm, soft_targets=soft, skipped_nonfinite=not ok,
-                       rolled_back=rolled_back,
-                       skipped_empty=False, version=self.version, batch_size=len(records),
-                       staleness=(max(versions) - min(versions)) if versions else 0,
-                       seconds=time.perf_counter() - t0)
+        metrics = step_metrics(metrics, records, grad_norm=gnorm, soft=soft, ok=ok, version=self.version, t0=t0)
+        metrics["rolled_back"] = rolled_back
         return metrics
 
     # ------------------------------------------------------------------ budgeted bursts

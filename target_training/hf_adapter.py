@@ -175,8 +175,12 @@ def to_specrl_state_dict(hf_state_dict: dict[str, torch.Tensor], cfg: MoEConfig)
     return out
 
 
-def to_hf_state_dict(model_or_state_dict, cfg: MoEConfig | None = None) -> dict[str, torch.Tensor]:
-    """MoETransformer tensors -> HF in-memory names (what `hf_model.state_dict()` holds)."""
+def to_hf_state_dict(model_or_state_dict, cfg: MoEConfig | None = None, *,
+                     per_expert: bool = False) -> dict[str, torch.Tensor]:
+    """MoETransformer tensors -> HF names: the in-memory fused expert tensors (what
+    `hf_model.state_dict()` holds) or, with `per_expert`, one tensor per expert as Qwen3-MoE
+    checkpoints store them on disk (`model.layers.i.mlp.experts.e.{gate,up,down}_proj.weight`, views).
+    `to_specrl_state_dict` reads both back."""
     if isinstance(model_or_state_dict, MoETransformer):
         cfg = model_or_state_dict.cfg
         sd = model_or_state_dict.state_dict()
@@ -186,7 +190,12 @@ def to_hf_state_dict(model_or_state_dict, cfg: MoEConfig | None = None) -> dict[
         raise TypeError("to_hf_state_dict needs cfg when given a state dict")
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
-        if name.endswith(".mlp.w_gate"):
+        stacked = name.endswith((".mlp.w_gate", ".mlp.w_up", ".mlp.w_down"))
+        if stacked and per_expert:
+            prefix, kind = name.rsplit(".w_", 1)
+            for e in range(t.shape[0]):  # (E, ...) -> E tensors
+                out[f"model.{prefix}.experts.{e}.{kind}_proj.weight"] = t[e]
+        elif name.endswith(".mlp.w_gate"):
             prefix = name.removesuffix(".w_gate")
             out[f"model.{prefix}.experts.gate_up_proj"] = torch.cat([t, sd[f"{prefix}.w_up"]], dim=1)
         elif name.endswith(".mlp.w_down"):

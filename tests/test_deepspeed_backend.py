@@ -45,7 +45,8 @@ def _records(step: int, draft) -> list[dict]:
 def _config(batch_size: int):
     from specrl.online_trainer import OnlineDraftConfig
 
-    return OnlineDraftConfig(lr=3e-3, batch_size=batch_size, ttt_steps=2, max_grad_norm=0.5)
+    # warmup_steps: both trainers share the step's lr schedule (DeepSpeed once ignored it)
+    return OnlineDraftConfig(lr=3e-3, batch_size=batch_size, ttt_steps=2, max_grad_norm=0.5, warmup_steps=3)
 
 
 def _worker(out_dir: str) -> None:

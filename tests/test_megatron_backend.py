@@ -17,17 +17,16 @@ pytest.importorskip("megatron.core")
 
 from target_training.config import model_config_for
 from target_training.grpo import GRPOConfig, GRPOTrainer, group_advantages, grpo_loss, pack_batch, token_logprobs
+from target_training.hf_adapter import to_hf_state_dict, to_specrl_state_dict
 from target_training.megatron_backend import (
     FeatureTaps,
     MegatronBackendError,
     MegatronConfig,
     MegatronPolicy,
     grpo_step,
-    hf_to_specrl,
     initialize_parallel,
     load_megatron_weights,
     megatron_to_specrl,
-    specrl_to_hf,
     specrl_to_megatron,
 )
 
@@ -126,9 +125,9 @@ def test_conversion_round_trip_exact(pair):
     back = megatron_to_specrl(pol.model.state_dict(), cfg)
     sd = ref.state_dict()
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
-    hf = specrl_to_hf(sd, cfg)
+    hf = to_hf_state_dict(sd, cfg, per_expert=True)  # the one HF converter, on-disk layout
     assert "model.layers.1.mlp.experts.2.down_proj.weight" in hf and "model.layers.0.mlp.gate_proj.weight" in hf
-    back = hf_to_specrl(hf, cfg)
+    back = to_specrl_state_dict(hf, cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
     # expert-parallel slice: rank 1 of 2 holds global experts 2 and 3 as local 0 and 1
     part = specrl_to_megatron(sd, cfg, ep_rank=1, ep_size=2)
@@ -165,7 +164,7 @@ def test_forward_logits_and_taps_equal(pair):
         pol(ids)
     assert torch.equal(taps.features(), fb)
     taps.remove()
-    with pytest.raises(MegatronBackendError, match="out of range"):
+    with pytest.raises(MegatronBackendError, match="not on this rank"):
         FeatureTaps(pol.model, (0, 1, 9))
 
 

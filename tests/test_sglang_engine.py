@@ -1,11 +1,14 @@
 """SGLang backend: server arguments, meta_info counters of several versions, draft export, the HTTP
 client against a local fake server, and the rule that a policy sync never writes into the draft.
 
-No SGLang runs here. `FakeSGLang` answers the HTTP endpoints with the payload shapes in
-tests/data/sglang/ and routes weight updates the way SGLang's scheduler and EAGLE worker do
-(disable_draft_model -> target only; otherwise draft runner then target runner, each loading the
-names it resolves; the EAGLE-3 draft resolves `name` or `model.` + name). The slime and veRL
-contract tests reuse it.
+No SGLang runs here, and `FakeSGLang` is not SGLang: it is a small HTTP server written for these
+tests that answers with the hand-written payload shapes in tests/data/sglang/ and routes weight
+updates the way sglang 0.5.23's scheduler does (a begin/end session, `selector` "target" /
+"draft" / "all", unknown fields ignored), or, with `api="legacy"`, like an older server with no
+session endpoints that honours only the isolation flags it is given. Its draft loader is reduced
+to "name or model. + name". The same rules are checked against sglang 0.5.23's own request types,
+scheduler routing and EAGLE-3 loader in tests/test_upstream_sglang.py (the sglang lane). The slime
+and veRL contract tests reuse this fake.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ from draft_models.config import Eagle3Config
 from draft_models.vocab import build_draft_vocab
 from rollout.protocol import SamplingParams
 from rollout.sglang_engine import (InProcessTransport, SGLangArgsError, SGLangEngine, SGLangEngineConfig,
-                                   SpecMetaError, WeightIsolationError, check_policy_sync, parse_spec_meta,
-                                   sglang_server_args, to_cli_args)
+                                   SpecMetaError, WeightIsolationError, check_policy_sync, check_reply, in_session,
+                                   parse_spec_meta, reaches_draft, sglang_server_args, to_cli_args)
 from rollout.speculative import SpecConfig
 from target_training.config import model_config_for
 
@@ -50,11 +53,14 @@ def json_deserialize(s):
 class FakeSGLang:
     """Holds a target and a draft parameter dict and routes updates like SGLang (see module doc)."""
 
-    def __init__(self, target_sd, draft_sd, *, isolation=True, draft_only=False, generate_reply=None):
+    def __init__(self, target_sd, draft_sd, *, api="selector", version="0.5.23", legacy_flags=(),
+                 generate_reply=None):
         self.target = {k: v.clone() for k, v in target_sd.items()}
         self.draft = {(k if k == "lm_head.weight" else "model." + k): v.clone() for k, v in draft_sd.items()
                       if k not in ("d2t", "t2d")}
-        self.isolation, self.draft_only = isolation, draft_only
+        self.api, self.version = api, version
+        self.legacy_flags = dict(legacy_flags)  # legacy server: request field -> "target" | "draft"
+        self.session: str | None = None
         self.generate_reply = generate_reply if generate_reply is not None else load_fixture("generate_batch.json")
         self.requests: list[tuple[str, dict]] = []
         fake = self
@@ -63,17 +69,24 @@ class FakeSGLang:
             def log_message(self, *a):
                 pass
 
-            def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                endpoint = self.path.strip("/")
-                fake.requests.append((endpoint, body))
-                status, reply = fake.handle(endpoint, body)
+            def _reply(self, status, reply):
                 data = json.dumps(reply).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path.strip("/") == "server_info" and fake.version is not None:
+                    return self._reply(200, {"version": fake.version})
+                return self._reply(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                endpoint = self.path.strip("/")
+                fake.requests.append((endpoint, body))
+                self._reply(*fake.handle(endpoint, body))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -102,28 +115,44 @@ class FakeSGLang:
                     raise ValueError(f"target {name}: shape {tuple(t.shape)} != {tuple(self.target[name].shape)}")
                 self.target[name] = t.clone()
 
+    def _route(self, roles, named):
+        if "draft" in roles:
+            self._load_draft(named)
+        if "target" in roles:
+            self._load_target(named)
+
     def handle(self, endpoint, body):
         if endpoint == "generate":
             return 200, self.generate_reply
+        selector_api = self.api == "selector"
+        if endpoint in ("begin_weight_update", "end_weight_update"):
+            if not selector_api:
+                return 404, {"detail": "Not Found"}
+            if (endpoint == "begin_weight_update") == (self.session is not None):
+                return 400, {"success": False, "message": "session state"}
+            self.session = body.get("selector", "all") if endpoint == "begin_weight_update" else None
+            return 200, load_fixture("update_ok.json")
         if endpoint == "update_weights_from_tensor":
             named = json_deserialize(body["serialized_named_tensors"][0])
         elif endpoint == "update_weights_from_disk":
             named = list(load_file(str(Path(body["model_path"]) / "model.safetensors")).items())
         else:
-            return 404, {"error": endpoint}
+            return 404, {"detail": "Not Found"}
+        if selector_api and endpoint == "update_weights_from_tensor":
+            if self.session is None:
+                return 400, {"success": False, "message": "update_weights_from_tensor must run between "
+                                                          "begin_weight_update() and end_weight_update()"}
+            selector = body.get("selector", "all")
+            roles = {"target", "draft"} if selector == "all" else {selector}
+        elif selector_api:  # disk: no selector, every runner
+            roles = {"target", "draft"}
+        else:
+            flagged = [role for flag, role in self.legacy_flags.items() if body.get(flag)]
+            roles = set(flagged) if flagged else {"target", "draft"}
         try:
-            if self.isolation and body.get("disable_draft_model"):
-                self._load_target(named)
-            elif self.draft_only and body.get("draft_only"):
-                self._load_draft(named)
-            elif endpoint == "update_weights_from_tensor":  # EAGLE worker: draft runner, then target runner
-                self._load_draft(named)
-                self._load_target(named)
-            else:  # disk: target worker, then draft worker
-                self._load_target(named)
-                self._load_draft(named)
+            self._route(roles, named)
         except ValueError as e:
-            return 200, {"success": False, "message": str(e)}
+            return 400, {"success": False, "message": str(e)}
         return 200, load_fixture("update_ok.json")
 
 
@@ -299,33 +328,85 @@ def test_policy_sync_leaves_the_draft_untouched(fake, pair):
     target, draft = pair
     server = fake()
     new_policy = perturbed(target.state_dict())
-    # The hazard this guards against: without disable_draft_model, SGLang's EAGLE-3 loader takes
-    # the policy's norm.weight (and lm_head.weight if shapes allowed) into the draft.
-    raw = SGLangEngine(SGLangEngineConfig(base_url=server.url, serializer=json_serializer, policy_isolation_flag=None))
-    raw.transport.call("update_weights_from_tensor", raw._tensor_body([("norm.weight", new_policy["norm.weight"])]))
+    # The hazard this guards against: with selector "all" (the default) the draft loader also
+    # takes the policy's names it resolves (norm.weight here) into the draft.
+    raw = engine_for(server)
+    in_session(raw.transport, "all", lambda: raw.transport.call(
+        "update_weights_from_tensor", raw._tensor_body([("norm.weight", new_policy["norm.weight"])])), "raw")
     assert not draft_unchanged(server, draft)
 
     server = fake()
     eng = engine_for(server)
     eng.load_policy_weights(new_policy, version=3)
-    endpoint, body = server.requests[-1]
-    assert endpoint == "update_weights_from_tensor" and body["disable_draft_model"] is True
-    assert body["weight_version"] == "3" and len(body["serialized_named_tensors"]) == 1
+    assert [e for e, _ in server.requests] == ["begin_weight_update", "update_weights_from_tensor",
+                                               "end_weight_update"]
+    assert server.requests[0][1] == {"selector": "target"} and server.session is None
+    body = server.requests[1][1]
+    assert body["selector"] == "target" and body["weight_version"] == "3"
+    assert len(body["serialized_named_tensors"]) == 1
     assert all(torch.equal(server.target[k], v) for k, v in new_policy.items())
     assert draft_unchanged(server, draft)
 
 
-def test_policy_sync_refuses_draft_names_and_unisolated_servers(fake, pair):
+def test_update_without_session_fails_and_failed_update_closes_session(fake, pair):
+    target, _ = pair
+    server = fake()
+    eng = engine_for(server)
+    with pytest.raises(RuntimeError, match="must run between begin_weight_update"):
+        check_reply(eng.transport.call("update_weights_from_tensor", eng._tensor_body([])), "bare update")
+    bad = {k: (torch.zeros(3) if k == "norm.weight" else v) for k, v in target.state_dict().items()}
+    with pytest.raises(RuntimeError, match="policy sync failed: target norm.weight: shape"):
+        eng.load_policy_weights(bad)
+    assert server.requests[-1][0] == "end_weight_update" and server.session is None
+
+
+def test_legacy_server_needs_an_isolation_flag_or_an_opt_in(fake, pair):
     target, draft = pair
-    server = fake(isolation=False)
-    old = SGLangEngine(SGLangEngineConfig(base_url=server.url, serializer=json_serializer, policy_isolation_flag=None))
-    with pytest.raises(WeightIsolationError, match=r"overwrite the draft's \['norm.weight', 'lm_head.weight'\]"):
-        old.load_policy_weights(target.state_dict())
+    server = fake(api="legacy", version="0.4.9")
+    eng = engine_for(server)
+    with pytest.raises(WeightIsolationError, match="no weight-update selector"):
+        eng.load_policy_weights(target.state_dict())
+    assert [e for e, _ in server.requests] == [] and eng.weight_api == "legacy"
+    opted = engine_for(server, allow_unisolated_sync=True)  # the loader guard still refuses
+    with pytest.raises(WeightIsolationError, match="overwrite the draft's"):
+        opted.load_policy_weights(target.state_dict())
     assert server.requests == [] and draft_unchanged(server, draft)
+    deep = {k: v for k, v in perturbed(target.state_dict()).items() if k.startswith("layers.1.")}
+    opted.load_policy_weights(deep)  # no name the draft loader resolves: allowed once opted in
+    assert "selector" not in server.requests[-1][1] and draft_unchanged(server, draft)
+
+    flagged = fake(api="legacy", version=None, legacy_flags={"disable_draft_model": "target"})
+    eng = engine_for(flagged, legacy_policy_flag="disable_draft_model")
+    new_policy = perturbed(target.state_dict())
+    eng.load_policy_weights(new_policy)
+    assert flagged.requests[-1][1]["disable_draft_model"] is True
+    assert all(torch.equal(flagged.target[k], v) for k, v in new_policy.items()) and draft_unchanged(flagged, draft)
+
+
+def test_policy_sync_refuses_draft_names(fake, pair):
+    target, draft = pair
+    server = fake()
     merged = {**target.state_dict(), "fc.weight": draft.fc.weight, "model.midlayer.mlp.up_proj.weight": torch.ones(1)}
     with pytest.raises(WeightIsolationError, match="carries draft tensors"):
         engine_for(server).load_policy_weights(merged)
-    check_policy_sync(["layers.0.attn.q_proj.weight", "embed_tokens.weight"], isolated=False)  # nothing shared
+    assert server.requests == [] and draft_unchanged(server, draft)
+
+
+def test_loader_guard_covers_layer0_legacy_words_and_vocab_maps():
+    llama = ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight",
+             "model.layers.0.input_layernorm.weight", "model.layers.1.self_attn.o_proj.weight", "model.norm.weight",
+             "lm_head.weight", "midlayer.self_attn.o_proj.weight", "model.aux_norm_mid.weight", "d2t", "t2d",
+             "model.rotary_emb.inv_freq"]
+    assert reaches_draft(llama) == ["model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+                                    "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight",
+                                    "model.norm.weight", "lm_head.weight", "midlayer.self_attn.o_proj.weight",
+                                    "model.aux_norm_mid.weight", "d2t"]
+    assert reaches_draft(["model.layers.1.mlp.down_proj.weight"], draft_layers=2) == [
+        "model.layers.1.mlp.down_proj.weight"]
+    with pytest.raises(WeightIsolationError, match="9 names"):
+        check_policy_sync(llama[:7] + ["model.layers.0.self_attn.k_proj.weight", "model.layers.0.mlp.gate_proj.weight",
+                                       "model.layers.0.post_attention_layernorm.weight"], isolated=False)
+    check_policy_sync(["model.layers.3.self_attn.q_proj.weight"], isolated=False)  # nothing the draft loads
 
 
 # ------------------------------------------------------------------ draft push
@@ -339,40 +420,50 @@ def test_draft_push_tensor_keeps_the_policy_untouched(fake, pair):
     target, draft = pair
     server = fake()
     eng = engine_for(server)
+    report = eng.push_draft(trained(draft), 1)  # selector "draft": no target name needed
+    assert report["held"] == [] and "d2t" not in report["sent"] and "t2d" not in report["sent"]
+    assert server.requests[0][1] == {"selector": "draft"} and server.requests[1][1]["selector"] == "draft"
+    assert server.requests[1][1]["weight_version"] == "draft-1"
+    assert torch.equal(server.draft["lm_head.weight"], trained(draft)["lm_head.weight"])
+    assert all(torch.equal(server.target[k], v) for k, v in target.state_dict().items())
+    changed = trained(draft)
+    changed["d2t"] = changed["d2t"].roll(1)
+    with pytest.raises(WeightIsolationError, match="vocabulary map d2t"):
+        eng.push_draft(changed, 3)
+
+
+def test_draft_push_on_a_legacy_server(fake, pair):
+    target, draft = pair
+    server = fake(api="legacy", version="0.4.9")
+    eng = engine_for(server)
     with pytest.raises(WeightIsolationError, match="target parameter names unknown"):
         eng.push_draft(trained(draft), 1)
-    eng.load_policy_weights(target.state_dict())
+    eng.target_param_names = set(target.state_dict())
     with pytest.raises(WeightIsolationError, match=r"overwrite target tensors \['norm.weight', 'lm_head.weight'\]"):
         eng.push_draft(trained(draft), 1)
-
     held = engine_for(server, hold_shared_draft_names=True)
     held.target_param_names = set(target.state_dict())
     report = held.push_draft(trained(draft), 1)
     assert report["held"] == ["norm.weight", "lm_head.weight"]
-    assert "d2t" not in report["sent"] and "t2d" not in report["sent"]
     assert torch.equal(server.draft["model.fc.weight"], trained(draft)["fc.weight"])
     assert all(torch.equal(server.target[k], v) for k, v in target.state_dict().items())
 
-    routed_server = fake(draft_only=True)
-    routed = engine_for(routed_server, draft_route_flag="draft_only")
+    routed_server = fake(api="legacy", version=None, legacy_flags={"draft_only": "draft"})
+    routed = engine_for(routed_server, legacy_draft_flag="draft_only")
     report = routed.push_draft(trained(draft), 2)
     assert report["held"] == [] and routed_server.requests[-1][1]["draft_only"] is True
     assert torch.equal(routed_server.draft["lm_head.weight"], trained(draft)["lm_head.weight"])
     assert all(torch.equal(routed_server.target[k], v) for k, v in target.state_dict().items())
-    changed = trained(draft)
-    changed["d2t"] = changed["d2t"].roll(1)
-    with pytest.raises(WeightIsolationError, match="vocabulary map d2t"):
-        routed.push_draft(changed, 3)
 
 
 def test_draft_push_disk_needs_routing(fake, pair, tmp_path):
     target, draft = pair
-    server = fake(draft_only=True)
-    with pytest.raises(WeightIsolationError, match="loads the folder into the target too"):
-        engine_for(server, draft_transport="disk", export_dir=str(tmp_path)).push_draft(draft, 1)
+    with pytest.raises(WeightIsolationError, match="update_weights_from_disk has no selector"):
+        engine_for(fake(), draft_transport="disk", export_dir=str(tmp_path)).push_draft(draft, 1)
+    server = fake(api="legacy", version=None, legacy_flags={"draft_only": "draft"})
     with torch.no_grad():
         draft.fc.weight.add_(1.0)
-    eng = engine_for(server, draft_transport="disk", export_dir=str(tmp_path), draft_route_flag="draft_only")
+    eng = engine_for(server, draft_transport="disk", export_dir=str(tmp_path), legacy_draft_flag="draft_only")
     eng.push_draft(draft, 2)
     endpoint, body = server.requests[-1]
     assert endpoint == "update_weights_from_disk" and body["model_path"].endswith("draft-v2") and body["draft_only"]
@@ -382,13 +473,41 @@ def test_draft_push_disk_needs_routing(fake, pair, tmp_path):
         SGLangEngineConfig(draft_transport="disk")
 
 
-def test_in_process_engine_without_isolation_kwarg_is_refused(pair):
+def test_in_process_engine_without_selector_kwarg_is_refused(pair):
     target, _ = pair
+    calls = []
 
-    class OldEngine:  # an sglang.Engine whose update method predates disable_draft_model
+    class OldEngine:  # an sglang.Engine with sessions but no selector on update, and no tokenizer manager
+        def begin_weight_update(self, selector="all"):
+            calls.append(("begin", selector))
+            return True, "ok"
+
+        def end_weight_update(self):
+            calls.append(("end",))
+            return True, "ok"
+
         def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
             raise AssertionError("must not be called")
 
-    eng = SGLangEngine(SGLangEngineConfig(), InProcessTransport(OldEngine()))
-    with pytest.raises(WeightIsolationError, match=r"does not accept \['disable_draft_model'\]"):
+    eng = SGLangEngine(SGLangEngineConfig(weight_api="selector"), InProcessTransport(OldEngine()))
+    with pytest.raises(WeightIsolationError, match="takes no selector and this Engine lacks"):
         eng.load_policy_weights(target.state_dict())
+    assert calls == [("begin", "target"), ("end",)]
+
+
+def test_draft_receiver_interface(fake, pair):
+    target, draft = pair
+    server = fake()
+    eng = engine_for(server)
+    spec = SpecConfig(mode="chain", gamma=3)
+    eng.install_draft(draft, spec)
+    weights, version = eng.draft_weights()
+    assert version == 0 and eng.spec is spec and eng.draft_faults == []
+    assert torch.equal(weights["fc.weight"], draft.fc.weight) and torch.equal(server.draft["model.fc.weight"],
+                                                                               draft.fc.weight)
+    fresh = trained(draft)
+    eng.push_draft(fresh, 5)
+    weights, version = eng.draft_weights()
+    assert version == 5 and torch.equal(weights["lm_head.weight"], fresh["lm_head.weight"])
+    with pytest.raises(ValueError, match="controller cannot be installed"):
+        eng.install_draft(draft, spec, controller=object())

@@ -11,6 +11,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -250,7 +251,9 @@ def test_train_step_hook_trains_and_pushes_the_draft_once_per_rollout(setup):
     assert not s.rt.tap.armed and m["buffer/entries"] == 4 and m["train/draft_faults"] == 0
     assert m["train/draft_version"] == m["train/draft_steps"] > 0 and m["train/draft_loss"] > 0
     assert not torch.equal(s.server.draft["model.fc.weight"], before["model.fc.weight"])
-    assert torch.equal(s.server.draft["lm_head.weight"], before["lm_head.weight"])  # held: the target shares the name
+    # selector="draft" (sglang 0.5.23): the draft's lm_head goes to the draft runner only
+    assert not torch.equal(s.server.draft["lm_head.weight"], before["lm_head.weight"])
+    assert {b.get("selector") for e, b in s.server.requests if e == "update_weights_from_tensor"} == {"draft"}
     assert torch.equal(s.server.target["lm_head.weight"], torch.zeros(V, H))  # the policy is untouched
     n = len(s.server.requests)
     sl.before_train_step_hook(s.args, 0, 1, s.model, None, None)  # later steps of the same rollout: nothing
@@ -284,3 +287,114 @@ def test_config_from_json_and_init(tmp_path, monkeypatch):
         sl.megatron_init(SimpleNamespace())
     with pytest.raises(ValueError, match="not configured"):
         sl.before_log_prob_hook(SimpleNamespace(), [Wrapper(GPTModel())], "")
+
+
+def test_feature_tap_fault_never_reaches_the_host_forward(setup):
+    s = setup
+    seqs = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    sl.before_log_prob_hook(s.args, s.model, "")
+
+    def broken(*a, **k):
+        raise RuntimeError("injected tap failure")
+
+    s.rt.tap.layers.features = broken  # the capture fails inside Megatron's forward
+    ids = torch.cat([torch.tensor(x) for x in seqs])[None]
+    with pytest.warns(RuntimeWarning, match="feature tap disabled for this step: RuntimeError: injected"):
+        with torch.no_grad():
+            logits = s.model[0](input_ids=ids, packed_seq_params=SimpleNamespace(
+                cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32)))
+    assert logits.shape == (1, 12, V)  # the host forward completed with its own output
+    assert s.rt.tap.faults == 1 and not s.rt.tap.armed and s.rt.tap.records == []
+    del s.rt.tap.layers.features  # the next step captures again
+    sl.before_log_prob_hook(s.args, s.model, "")
+    packed_forward(s.model, seqs)
+    assert len(s.rt.tap.records) == 2
+
+
+def test_draft_oom_skips_co_training_and_the_train_step_goes_on(setup):
+    s = setup
+    g = torch.Generator().manual_seed(1)
+    for _ in range(2):
+        sl.before_log_prob_hook(s.args, s.model, "")
+        packed_forward(s.model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    s.rt.trainer.train_step = oom
+    n = len(s.server.requests)
+    with pytest.warns(RuntimeWarning, match="draft step skipped .*OutOfMemoryError"):
+        sl.before_train_step_hook(s.args, 0, 0, s.model, None, None)
+    m = s.rt.metrics
+    assert m["train/draft_faults"] == 1 and len(s.server.requests) == n  # nothing pushed
+    del s.rt.trainer.train_step
+    with torch.no_grad():  # the host's next forward is unaffected
+        assert s.model[0](input_ids=torch.tensor([[3, 4, 5]])).shape == (1, 3, V)
+
+
+def test_captured_records_are_bounded(setup):
+    s = setup
+    s.rt.tap.max_records = 3
+    sl.before_log_prob_hook(s.args, s.model, "")
+    packed_forward(s.model, [[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]])
+    packed_forward(s.model, [[3, 4, 5]])
+    assert len(s.rt.tap.records) == 3 and s.rt.tap.dropped == 2
+
+
+def _dp_worker(url: str, draft_dir: str, out_dir: str) -> None:
+    """One data-parallel rank of a slime job (run as a subprocess by the test below)."""
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    gpt = GPTModel().eval()
+    config = sl.SlimeSpecConfig(draft_path=draft_dir, engine_urls=[url], min_buffer_records=2, max_draft_steps=2,
+                                time_budget_s=30.0, online=OnlineDraftConfig(batch_size=2, ttt_steps=2))
+    engine = SGLangEngine(SGLangEngineConfig(base_url=url, serializer=json_serializer))
+    args = SimpleNamespace(num_layers=L, padded_vocab_size=V)
+    model = [Wrapper(gpt)]
+    sl.configure(config, sl.SlimeSpecRuntime(config, args, model, engines=[engine]))
+    g = torch.Generator().manual_seed(10 + rank)  # each rank its own share of the data
+    for _ in range(2):
+        sl.before_log_prob_hook(args, model, "")
+        packed_forward(model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
+    rt = sl.runtime()
+    captured = len(rt.tap.records)
+    sl.before_train_step_hook(args, 0, 0, model, None, None)
+    torch.distributed.barrier()
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(
+        {"captured": captured, "version": rt.trainer.version, "dp_rank": rt.dp_rank, "trains": rt.trains}))
+    torch.distributed.destroy_process_group()
+
+
+def test_one_draft_per_job_across_two_gloo_ranks(setup, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    s = setup
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    procs = [subprocess.Popen([sys.executable, __file__, s.server.url, s.config.draft_path, str(tmp_path)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(2)]
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        assert p.returncode == 0, out.decode()[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["dp_rank"] for r in ranks] == [0, 1] and [r["trains"] for r in ranks] == [True, False]
+    assert ranks[0]["captured"] == 4 and ranks[0]["version"] > 0
+    assert ranks[1]["captured"] == 0 and ranks[1]["version"] == 0
+    pushes = [b for e, b in s.server.requests if e == "begin_weight_update"]
+    assert pushes == [{"selector": "draft"}]  # one push, from rank 0, for the whole job
+
+
+if __name__ == "__main__":
+    import sys
+
+    _dp_worker(*sys.argv[1:4])

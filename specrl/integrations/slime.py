@@ -22,9 +22,11 @@ not a forward pass. This module wires the pieces through slime's documented plug
       draft with `specrl.online_trainer.OnlineDraftTrainer` within a time budget, and pushes it to
       every SGLang engine with `rollout.sglang_engine.SGLangEngine.push_draft`.
 
-The policy sync itself is slime's: it must reach the target runner only (SGLang's
-`disable_draft_model`), see docs/integrations/slime.md. A draft-side failure is caught, counted
-and warned about; the RL step goes on (DESIGN.md section 1).
+The policy sync itself is slime's: it must reach the target runner only (sglang 0.5.23:
+`selector="target"` in a weight-update session), see docs/integrations/slime.md. A draft-side
+failure is caught, counted and warned about, and the feature tap never raises into Megatron's
+forward; the RL step goes on (DESIGN.md section 1). Only data-parallel rank
+`SlimeSpecConfig.draft_rank` captures, trains and pushes, so a job has one draft.
 
 Field and signature sources: slime `slime/utils/types.py` (Sample, Sample.SpecInfo) and
 `docs/en/get_started/customization.md` (hook signatures) at THUDM/slime commit
@@ -33,218 +35,29 @@ hook call order from slime's `megatron_utils` log-prob forward.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import os
 import time
-import urllib.request
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
 from draft_models.checkpoint import load_draft
-from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, parse_spec_meta, tokens_and_logprobs
+from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from specrl.buffer import FeatureBuffer
 from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
-from target_training.config import MoEConfig
+
+# The rollout side and the capture have modules of their own; their names are re-exported here,
+# the module slime's command-line paths name.
+from specrl.integrations.slime_capture import FeatureTap, default_tap_layers, unwrap  # noqa: F401
+from specrl.integrations.slime_generate import (SPEC_INFO_FIELDS, add_spec_info, generate,  # noqa: F401
+                                                register_tokenizer, spec_info_delta)
 
 CONFIG_ENV = "SPECRL_SLIME_CONFIG"
-# Field names of slime's Sample.SpecInfo (the commit named in the module docstring).
-SPEC_INFO_FIELDS = ("spec_accept_token_num", "spec_draft_token_num", "spec_verify_ct", "completion_token_num")
-
-
-# ---------------------------------------------------------------------------------------------
-# rollout side: the custom generate function
-# ---------------------------------------------------------------------------------------------
-def spec_info_delta(meta_info: Mapping) -> dict:
-    """One response's counters in slime's SpecInfo shape (zeros when SGLang did not speculate)."""
-    stats = parse_spec_meta(meta_info)
-    completion = int(meta_info.get("completion_tokens") or 0)
-    if stats is None:
-        return dict.fromkeys(SPEC_INFO_FIELDS, 0) | {"completion_token_num": completion}
-    return {"spec_accept_token_num": stats.accepted, "spec_draft_token_num": stats.drafted,
-            "spec_verify_ct": stats.verify_steps, "completion_token_num": completion}
-
-
-def add_spec_info(sample, meta_info: Mapping) -> None:
-    """Accumulate into sample.spec_info (added, not replaced: partial rollouts resume a sample)."""
-    for k, v in spec_info_delta(meta_info).items():
-        setattr(sample.spec_info, k, getattr(sample.spec_info, k) + v)
-
-
-_TOKENIZER = None
-
-
-def register_tokenizer(tokenizer) -> None:
-    """Use this tokenizer for sample.prompt (default: transformers AutoTokenizer of args.hf_checkpoint)."""
-    global _TOKENIZER
-    _TOKENIZER = tokenizer
-
-
-def _prompt_ids(args, sample) -> list[int]:
-    if sample.tokens:
-        return list(sample.tokens)
-    global _TOKENIZER
-    if _TOKENIZER is None:
-        from transformers import AutoTokenizer  # lazy: only slime's own environment has it
-
-        _TOKENIZER = AutoTokenizer.from_pretrained(args.hf_checkpoint, trust_remote_code=True)
-    if not isinstance(sample.prompt, str):
-        raise ValueError("specrl's generate takes text prompts or pre-tokenized sample.tokens")
-    return list(_TOKENIZER.encode(sample.prompt, add_special_tokens=False))
-
-
-def _post_json(url: str, body: dict, timeout_s: float) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-        return json.loads(resp.read().decode())
-
-
-async def generate(args, sample, sampling_params: dict):
-    """slime's custom generate function: one SGLang /generate call through the router."""
-    status = type(sample).Status
-    if sample.status not in (status.PENDING, status.ABORTED):
-        raise ValueError(f"sample status is {sample.status}, expected PENDING or ABORTED")
-    url = f"http://{args.sglang_router_ip}:{args.sglang_router_port}/generate"
-    ids = _prompt_ids(args, sample)
-    params = dict(sampling_params)
-    if sample.response_length:  # a resumed partial rollout: only the remaining budget
-        params["max_new_tokens"] = params["max_new_tokens"] - sample.response_length
-    if params["max_new_tokens"] <= 0:
-        sample.status = status.TRUNCATED
-        return sample
-    body = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
-    out = await asyncio.to_thread(_post_json, url, body, float(getattr(args, "specrl_http_timeout_s", 600.0)))
-    meta = out.get("meta_info") or {}
-    new_ids, logps = tokens_and_logprobs(meta, out.get("output_ids"))
-    sample.tokens = ids + new_ids
-    sample.response = (sample.response or "") + (out.get("text") or "")
-    sample.response_length += len(new_ids)
-    sample.rollout_log_probs = (sample.rollout_log_probs or []) + logps
-    add_spec_info(sample, meta)
-    if "weight_version" in meta:
-        sample.weight_versions.append(meta["weight_version"])
-    kind = (meta.get("finish_reason") or {}).get("type")
-    sample.status = {"length": status.TRUNCATED, "abort": status.ABORTED, "stop": status.COMPLETED}.get(
-        kind, status.COMPLETED)
-    return sample
-
-
-# ---------------------------------------------------------------------------------------------
-# trainer side: feature capture on Megatron's decoder layers
-# ---------------------------------------------------------------------------------------------
-def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's low/mid/high taps for an L-layer target, by the same rule as the MoE policy."""
-    return MoEConfig(num_layers=num_layers).feature_layer_ids
-
-
-def unwrap(chunk):
-    """The GPTModel inside DDP / Float16Module wrappers (each exposes the next as `.module`)."""
-    m = chunk
-    while not hasattr(m, "decoder") and hasattr(m, "module"):
-        m = m.module
-    if not hasattr(m, "decoder"):
-        raise ValueError(f"{type(chunk).__name__} holds no Megatron GPTModel (no .decoder)")
-    return m
-
-
-class FeatureTap:
-    """Forward hooks on the three tap layers of a Megatron GPTModel.
-
-    Megatron's TransformerLayer returns (hidden_states, context) with hidden_states
-    (seq, batch, hidden); slime's log-prob forward packs sequences into batch 1 and passes
-    `packed_seq_params.cu_seqlens_q`. While armed, every forward adds one record per packed
-    sequence: input_ids (T,), fused features (T, 3H) in half precision, and a loss mask (every
-    token but the first, or only the last `response_lengths[i]` tokens when given)."""
-
-    def __init__(self, gpt_model, layer_ids: Sequence[int], seq_first: bool = True,
-                 feature_dtype: torch.dtype = torch.float16):
-        self.model, self.layer_ids = gpt_model, tuple(int(i) for i in layer_ids)
-        self.seq_first, self.feature_dtype = seq_first, feature_dtype
-        layers = gpt_model.decoder.layers
-        by_id = {int(getattr(layer, "layer_number", i + 1)) - 1: layer for i, layer in enumerate(layers)}
-        missing = [i for i in self.layer_ids if i not in by_id]
-        if missing:
-            raise ValueError(f"tap layers {missing} are not on this rank (have {sorted(by_id)}); pipeline "
-                             f"parallelism must keep the three taps on one stage")
-        self.armed = False
-        self.records: list[dict] = []
-        self.response_lengths: list[int] | None = None
-        self._cursor = 0  # next entry of response_lengths
-        self._outs: dict[int, torch.Tensor] = {}
-        self._inputs: tuple | None = None
-        self._handles = [by_id[i].register_forward_hook(self._layer_hook(i)) for i in self.layer_ids]
-        self._handles.append(gpt_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-        self._handles.append(gpt_model.register_forward_hook(self._post_hook))
-
-    def arm(self) -> None:
-        self.armed = True
-
-    def set_response_lengths(self, lengths: Sequence[int] | None) -> None:
-        """Response lengths of the next captured sequences, in forward order (a trainer-side patch
-        that knows the batch can call this; slime's hook arguments do not carry it)."""
-        self.response_lengths = None if lengths is None else [int(n) for n in lengths]
-        self._cursor = 0
-
-    def disarm(self) -> None:
-        self.armed = False
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-
-    def _layer_hook(self, layer_id: int):
-        def hook(module, args, output):
-            if self.armed:
-                out = output[0] if isinstance(output, tuple) else output
-                self._outs[layer_id] = out.detach()
-        return hook
-
-    def _pre_hook(self, module, args, kwargs):
-        if self.armed:
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            psp = kwargs.get("packed_seq_params")
-            self._inputs = (ids, getattr(psp, "cu_seqlens_q", None))
-            self._outs = {}
-
-    def _post_hook(self, module, args, output):
-        if not self.armed or self._inputs is None:
-            return
-        ids, cu = self._inputs
-        self._inputs = None
-        if len(self._outs) != len(self.layer_ids):
-            raise RuntimeError(f"feature tap saw layers {sorted(self._outs)} of {self.layer_ids} in one forward")
-        feats = torch.cat([self._outs[i] for i in self.layer_ids], dim=-1)
-        if self.seq_first:
-            feats = feats.transpose(0, 1)  # (batch, seq, 3H)
-        ids = ids.detach()
-        if cu is not None:
-            if ids.shape[0] != 1:
-                raise ValueError(f"packed sequences need batch 1, got input_ids {tuple(ids.shape)}")
-            bounds = [int(x) for x in cu.tolist()]
-            spans = [(0, a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
-        else:
-            spans = [(r, 0, ids.shape[1]) for r in range(ids.shape[0])]
-        for row, a, b in spans:
-            T = b - a
-            mask = torch.zeros(T, dtype=torch.bool)
-            if self.response_lengths is not None and self._cursor < len(self.response_lengths):
-                mask[T - min(T - 1, self.response_lengths[self._cursor]):] = True
-                self._cursor += 1
-            else:
-                mask[1:] = True
-            self.records.append({"input_ids": ids[row, a:b].cpu(), "loss_mask": mask,
-                                 "features": feats[row, a:b].to("cpu", self.feature_dtype), "target_logp": None})
-
-    def drain(self) -> list[dict]:
-        out, self.records = self.records, []
-        self.set_response_lengths(None)
-        return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,10 +76,13 @@ class SlimeSpecConfig:
     capture_prefixes: tuple[str, ...] = ("",)  # store_prefix of the actor's own log-prob pass
     seq_first: bool = True
     # Draft pushes: SGLangEngineConfig fields (see rollout/sglang_engine.py).
-    draft_route_flag: str | None = None
+    legacy_draft_flag: str | None = None  # older servers only; 0.5.23 routes pushes with selector="draft"
     hold_shared_draft_names: bool = False
     # HF names of the served target that a draft tensor name could hit (Llama/Qwen layout).
     target_param_names: tuple[str, ...] = ("lm_head.weight", "model.norm.weight", "model.embed_tokens.weight")
+    # One draft per job: only this data-parallel rank captures features, trains the draft and
+    # pushes it; the other ranks' hooks do nothing (their engines get the same draft from it).
+    draft_rank: int = 0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -293,6 +109,21 @@ class SlimeSpecConfig:
         return cls(**d)
 
 
+def data_parallel_rank() -> int:
+    """This process's data-parallel rank: Megatron's when its parallel state is up, else the
+    torch.distributed rank, else 0 (one process)."""
+    try:
+        from megatron.core import parallel_state as mpu
+
+        if mpu.model_parallel_is_initialized():
+            return int(mpu.get_data_parallel_rank())
+    except ImportError:
+        pass
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return int(torch.distributed.get_rank())
+    return 0
+
+
 class SlimeSpecRuntime:
     """Per trainer process: the draft, its buffer and trainer, the tap, and the engine clients."""
 
@@ -314,7 +145,7 @@ class SlimeSpecRuntime:
         self.tap = FeatureTap(gpt, layer_ids, seq_first=cfg.seq_first)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         if engines is None:
-            engines = [SGLangEngine(SGLangEngineConfig(base_url=u, draft_route_flag=cfg.draft_route_flag,
+            engines = [SGLangEngine(SGLangEngineConfig(base_url=u, legacy_draft_flag=cfg.legacy_draft_flag,
                                                        hold_shared_draft_names=cfg.hold_shared_draft_names))
                        for u in cfg.engine_urls]
         for e in engines:
@@ -323,16 +154,18 @@ class SlimeSpecRuntime:
         self.engines = engines
         self.faults = 0
         self.metrics: dict = {}
+        self.dp_rank = data_parallel_rank()
+        self.trains = self.dp_rank == cfg.draft_rank
 
     def on_log_prob(self, store_prefix: str) -> None:
-        if store_prefix in self.config.capture_prefixes:
+        if self.trains and store_prefix in self.config.capture_prefixes:
             self.tap.arm()
         else:
             self.tap.disarm()
 
     def on_train_step(self, rollout_id: int, step_id: int) -> dict:
         self.tap.disarm()
-        if step_id != 0:
+        if step_id != 0 or not self.trains:
             return {}
         cfg = self.config
         t0 = time.perf_counter()
