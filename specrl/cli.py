@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> dict:
 
 # How OS failures look when a library reports them as something other than OSError.
 _OS_FAILURE_TEXT = ("iostream error", "No space left on device", "Read-only file system", "file write failed",
-                    "Disk quota exceeded", "os error")
+                    "Disk quota exceeded", "os error", "inline_container.cc")
 
 
 def error_line(e: BaseException) -> str | None:

@@ -97,6 +97,15 @@ def _complete(path: Path) -> bool:
     return True
 
 
+def _disk_nearly_full(path: Path) -> bool:
+    """Under 1 MiB free where `path` lives: a writer's own error then means a full disk."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
 def _new_version_name(out: Path) -> Path:
     return out.parent / f".{out.name}.v-{os.getpid()}-{uuid.uuid4().hex[:12]}"
 
@@ -192,7 +201,7 @@ def atomic_write_dir(out_dir: str | os.PathLike, write_fn) -> Path:
         except Exception as e:  # torch.save and safetensors report a full disk as their own errors
             text = str(e)
             if any(t in text for t in ("iostream error", "write failed", "PytorchStreamWriter", "No space left",
-                                       "os error 28")):
+                                       "os error 28", "inline_container.cc")) or _disk_nearly_full(tmp):
                 raise OSError(errno.ENOSPC, f"cannot write the checkpoint (disk full?): "
                                             f"{text.splitlines()[0]}", str(out)) from None
             raise
