@@ -154,7 +154,7 @@ class EmbeddedEngine:
         wall = time.perf_counter() - t0
         n_tokens = sum(len(s.tokens) for s in states)
         self.last_stats = {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / max(wall, 1e-9),
-                           "engine_steps": steps}
+                           "engine_steps": steps, "spec_faults": int(spec is not None and spec.faulted)}
         return [self._to_trajectory(s, capture_features) for s in states]
 
     # -- internals ------------------------------------------------------------------------

@@ -204,24 +204,40 @@ class SpecSession:
 
     # -- drafting ------------------------------------------------------------------------
     def _feed_pending(self, slots: torch.Tensor, states):
-        """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output."""
+        """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output.
+
+        One draft forward pads every row to the longest pending run and writes that many
+        positions after each row's D, so a slot deep into its context beside a freshly admitted
+        long prompt would run past the draft cache. The rows are therefore fed in as few groups
+        as fit (`fit_groups`): one forward in the common case, two when continuous batching
+        mixes a long new prompt with a slot near the context end. Each row's own entries and
+        outputs are the same either way (padding sits after a row's last real position)."""
         feats = [torch.cat(self.pending[s], 0) for s in slots.tolist()]
-        n = torch.tensor([f.shape[0] for f in feats], device=slots.device)
-        M = int(n.max())
-        D = self.cache.lengths[slots]
-        B = len(feats)
+        n = torch.tensor([f.shape[0] for f in feats], device=slots.device)  # (B,)
+        D = self.cache.lengths[slots]  # (B,)
+        B, H = len(feats), feats[0].shape[-1]
         dtype = self.draft.fc.weight.dtype
-        hidden = torch.zeros(B, M, feats[0].shape[-1], dtype=dtype, device=slots.device)
-        ids = torch.zeros(B, M, dtype=torch.long, device=slots.device)
-        for r, (f, st) in enumerate(zip(feats, states)):
-            full = st.prompt + st.tokens
-            d = int(D[r])
-            hidden[r, : f.shape[0]] = f.to(dtype)
-            ids[r, : f.shape[0]] = torch.tensor(full[d + 1 : d + 1 + f.shape[0]])
-        prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=slots)
-        self.cache.rollback(slots, D + n)
-        rows = torch.arange(B, device=slots.device)
-        return prenorm[rows, n - 1], self.draft.to_target_logits(logits[rows, n - 1])
+        h_last = q_last = None
+        for rows in fit_groups(D.tolist(), n.tolist(), self.cache.max_len):
+            M = max(int(n[r]) for r in rows)
+            hidden = torch.zeros(len(rows), M, H, dtype=dtype, device=slots.device)
+            ids = torch.zeros(len(rows), M, dtype=torch.long, device=slots.device)
+            for i, r in enumerate(rows):
+                f, st, d = feats[r], states[r], int(D[r])
+                full = st.prompt + st.tokens
+                hidden[i, : f.shape[0]] = f.to(dtype)
+                ids[i, : f.shape[0]] = torch.tensor(full[d + 1 : d + 1 + f.shape[0]])
+            idx = torch.tensor(rows, device=slots.device)
+            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=slots[idx])
+            self.cache.rollback(slots[idx], D[idx] + n[idx])
+            last = n[idx] - 1
+            ar = torch.arange(len(rows), device=slots.device)
+            h_g, q_g = prenorm[ar, last], self.draft.to_target_logits(logits[ar, last])  # (G, H), (G, V)
+            if h_last is None:
+                h_last = h_g.new_empty(B, *h_g.shape[1:])
+                q_last = q_g.new_empty(B, *q_g.shape[1:])
+            h_last[idx], q_last[idx] = h_g, q_g
+        return h_last, q_last
 
     def _draft_step(self, slots, hidden, tokens, positions=None, mask=None):
         prenorm, logits = self.draft(tokens, hidden, cache=self.cache, slots=slots, positions=positions,
@@ -306,6 +322,26 @@ class SpecSession:
             verified = keep_valid
         draft_logp = cand_q[rows, keep]  # (B, N, V) node -> q for its children
         return tok[rows, keep][:, 1:], new_parents[:, 1:], draft_logp, keep_valid[:, 1:], verified[:, 1:]
+
+def fit_groups(starts: list[int], counts: list[int], capacity: int) -> list[list[int]]:
+    """Split rows into groups whose padded write fits a cache of `capacity` positions.
+
+    Row r writes counts[r] entries from starts[r]; a group's forward pads to its largest count,
+    so it needs max(starts) + max(counts) <= capacity. Every row fits on its own (the engine
+    never lets a slot outgrow its cache). Greedy: take the row with the most entries, then every
+    other row that fits beside it; repeat. One group whenever everything fits together."""
+    order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
+    groups: list[list[int]] = []
+    while order:
+        room = capacity - counts[order[0]]  # the group's padded width is its first row's count
+        if starts[order[0]] > room:
+            raise ValueError(f"KV cache overflow: a row needs {starts[order[0]] + counts[order[0]]} positions, "
+                             f"cache holds {capacity}")
+        group = [r for r in order if starts[r] <= room]
+        groups.append(sorted(group))
+        order = [r for r in order if starts[r] > room]
+    return groups
+
 
 def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_valid):
     """Rejection sampling over siblings needs every drafted sibling that precedes an accepted

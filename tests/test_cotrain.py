@@ -83,6 +83,9 @@ def test_draft_failure_falls_back_to_plain(sft_policy, offline_draft):
         out = engine.generate(prompts, params)
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
     assert cot.speculator.faults and "NaN" in cot.speculator.faults[0]
+    assert engine.last_stats["spec_faults"] == 1
+    m = cot.on_rollout(out)  # counted in the metrics, per rollout and in total
+    assert m["rollout/spec_faults"] == 1 and m["rollout/spec_faults_total"] == 1
 
     def boom(*a, **k):
         raise RuntimeError("CUDA out of memory (simulated)")
@@ -93,6 +96,12 @@ def test_draft_failure_falls_back_to_plain(sft_policy, offline_draft):
     with pytest.warns(RuntimeWarning, match="out of memory"):
         out = engine.generate(prompts, params)
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    m = cot.on_rollout(out)
+    assert m["rollout/spec_faults"] == 1 and m["rollout/spec_faults_total"] == 2
+    del cot.speculator.draft.forward  # a healthy draft again: the next rollout counts no fault
+    out = engine.generate(prompts, params)
+    assert engine.last_stats["spec_faults"] == 0
+    assert cot.on_rollout(out)["rollout/spec_faults"] == 0 and sum(t.spec.verify_steps for t in out) > 0
 
 
 def test_draft_trainer_failure_does_not_stop_training(sft_policy, offline_draft, monkeypatch):

@@ -171,3 +171,69 @@ def test_prefill_fused_into_the_step_changes_nothing(sft_policy, offline_draft, 
         assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
         assert a.features.shape == b.features.shape
         assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
+
+
+# ---- the context end: pending features of slots at very different depths (issue 14) -------------
+def _context_end_setup(tiny_model, lengths, seed=1):
+    from specrl.drafts import DraftTrainConfig, new_draft
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths]
+    return prompts, new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
+
+
+def test_context_end_reproduction(tiny_model, one_thread, monkeypatch):
+    """max_len 64, batch 2, prompts of 2/40/50 tokens, chain gamma 4: the 50-token prompt is
+    admitted beside the 2-token request deep into its context. Padding both rows' pending
+    features to the longest overflowed the draft cache (74 > 69 positions) and turned speculation
+    off for the call; now the feed is split and speculation stays on, output unchanged."""
+    import rollout.speculative as speculative
+
+    prompts, draft = _context_end_setup(tiny_model, (2, 40, 50))
+    split = []
+    fit = speculative.fit_groups
+    monkeypatch.setattr(speculative, "fit_groups", lambda *a: split.append(len(fit(*a))) or fit(*a))
+    params = SamplingParams(temperature=0.0, max_new_tokens=64)
+    spec = Speculator(draft, SpecConfig(mode="chain", gamma=4))
+    out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2, max_len=64), speculator=spec).generate(prompts, params)
+    plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2, max_len=64)).generate(prompts, params)
+    assert spec.faults == []
+    assert max(split) == 2  # the mix that used to overflow did occur, and was fed in two groups
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    assert [len(t.token_ids) for t in out] == [64 - n for n in (2, 40, 50)]  # every request ran to the context end
+    assert all(t.spec.verify_steps > 0 for t in out)  # the late request was speculated too
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_context_end_sweep(tiny_model, one_thread, mode):
+    """Prompt-length mixes from 1 token to one short of the context end, two and three slots,
+    greedy and coupled sampling: no draft fault, tokens and log-probs identical to plain."""
+    cfg = SpecConfig(mode="chain", gamma=4) if mode == "chain" else SpecConfig(mode="tree", gamma=3, tree_topk=3,
+                                                                                tree_budget=8)
+    mixes = [(2, 40, 50), (1, 63, 30), (60, 5, 62, 12), (33, 1, 58), (10, 55, 55, 3), (62, 2, 1, 61)]
+    for i, lengths in enumerate(mixes):
+        prompts, draft = _context_end_setup(tiny_model, lengths, seed=i)
+        for batch in (2, 3):
+            for temp in (0.0, 1.0):
+                params = SamplingParams(temperature=temp, max_new_tokens=64, seed=i)
+                spec = Speculator(draft, cfg)
+                out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=batch, max_len=64), speculator=spec
+                                     ).generate(prompts, params)
+                plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=batch, max_len=64)).generate(prompts, params)
+                assert spec.faults == [], (lengths, batch, temp, spec.faults)
+                assert [t.token_ids for t in out] == [t.token_ids for t in plain], (lengths, batch, temp)
+                for a, b in zip(out, plain):
+                    assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
+
+
+def test_fit_groups():
+    from rollout.speculative import fit_groups
+
+    assert fit_groups([0, 10, 20], [5, 3, 2], 69) == [[0, 1, 2]]  # everything fits: one forward
+    assert fit_groups([60, 0], [4, 50], 69) == [[1], [0]]  # a deep slot beside a new long prompt
+    groups = fit_groups([60, 0, 0, 55, 30], [4, 50, 10, 3, 30], 69)
+    assert sorted(r for g in groups for r in g) == [0, 1, 2, 3, 4]
+    for g in groups:
+        assert max([60, 0, 0, 55, 30][r] for r in g) + max([4, 50, 10, 3, 30][r] for r in g) <= 69
+    with pytest.raises(ValueError, match="overflow"):
+        fit_groups([66], [4], 69)
