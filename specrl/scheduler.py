@@ -9,14 +9,27 @@ the scheduler hands out time, not steps:
   budget is a fraction of the RL work itself and does not feed on its own overhead. Before the
   first step is measured, the base is the RL time elapsed so far in the current step, a lower
   bound on that step, so the budget can only err short.
-- Windows: "tail" - the rollout's long tail, when at most tail_threshold of the engine's slots
-  are still decoding and the device is mostly idle (the engine asks once per engine step);
-  "between" - after the rollout, before the policy update; "interleaved" - inside the policy
-  update, between its micro-steps. Only the windows in `windows` ever run.
+- Windows, each a sequential call that runs on the caller's thread and adds its time to the
+  RL step (only the windows in `windows` ever run):
+  "tail" - inside `EmbeddedEngine.generate`'s loop: after an engine step at which at most
+    tail_threshold of the slots are still decoding, one draft update runs before the next engine
+    step, so the sequences still decoding wait for it (on a device with idle compute in the tail
+    the update is cheap; on a saturated CPU it is a plain serial cost);
+  "between" - wherever the host calls `SpecCoTrainer.train_draft()`; `specrl.train_rl` calls it
+    after the policy update (so the draft trains on features of the update's own forward),
+    before the next rollout;
+  "interleaved" - inside the policy update, between its micro-steps: the trainer calls its
+    `microstep_hooks` after every optimizer micro-step but the last (GRPOTrainer does, when its
+    minibatch_size splits the batch), and the co-trainer runs an update there.
 - A unit of work is started only while budget remains and is told the seconds left; a unit that
   runs past them is the only possible overrun, and it is reported as `sched/overrun_s`.
 - Time spent is the larger of what the work reports and what the clock saw, so an asynchronous
   device (work queued, not finished) or a clock that misses device time cannot hide it.
+
+Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
+tensors: the draft's parameters and gradients, the optimizer state, the feature buffer, and the
+activations of one update (measured per record by the online trainer). `fit_batch` shrinks an
+update's batch until it fits, or returns 0 and the update is skipped; both are reported.
 
 Errors: with `on_error` set, an exception in a unit of work is counted, its time accounted, and
 passed to on_error (which typically turns speculation off until the draft recovers); the RL
@@ -25,8 +38,10 @@ step goes on. Without it the exception propagates.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+from specrl.draft_budget import DraftBudgetConfig
 
 WINDOWS = ("tail", "between", "interleaved")
 
@@ -40,6 +55,9 @@ class SchedulerConfig:
     memory_budget_bytes: int | None = 2**28  # None: no limit
     windows: tuple = ("tail", "between")  # enabled windows, a subset of WINDOWS
     ema: float = 0.3  # weight of the newest RL step in the step-time EMA
+    # how many updates a step may run (the cap is CoTrainConfig.max_draft_steps): "fixed" (the cap)
+    # or "acceptance" (more when acceptance falls or the policy moves); specrl.draft_budget
+    draft_steps: DraftBudgetConfig = field(default_factory=DraftBudgetConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.windows, str):
@@ -154,9 +172,20 @@ class DraftScheduler:
 
     # -- memory ------------------------------------------------------------------------------
     def memory_ok(self, bytes_in_use: int) -> bool:
-        """Whether the draft side's memory (buffer, optimizer, activations) fits its budget."""
+        """Whether `bytes_in_use` of draft-side memory fits the budget."""
         limit = self.config.memory_budget_bytes
         return limit is None or bytes_in_use <= limit
+
+    def fit_batch(self, fixed_bytes: int, per_record_bytes: float, batch_size: int) -> int:
+        """The largest batch <= batch_size whose update fits the memory budget, 0 if none does:
+        fixed_bytes (parameters, gradients, optimizer state, buffer) plus per_record_bytes of
+        activations per record."""
+        limit = self.config.memory_budget_bytes
+        if limit is None or fixed_bytes + per_record_bytes * batch_size <= limit:
+            return batch_size
+        if fixed_bytes >= limit or per_record_bytes <= 0:
+            return 0
+        return max(0, min(batch_size, int((limit - fixed_bytes) // per_record_bytes)))
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:
