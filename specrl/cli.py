@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--reference-every", type=int, default=None, metavar="N",
+                   help="retrain the reference draft at every N-th evaluation point (0: at the end only; "
+                        "default: the preset's, every point for full)")
     p = sub.add_parser("speed", help="speed sweeps over batch size, chain length and tree budget, with the bound")
     _add_common(p)
     p.add_argument("--batches", default="1,4,16,64")
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         from experiments.drift import run_drift
 
         return run_drift(args.preset, args.out, seed=args.seed, task=args.task, cache_dir=args.cache_dir,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, reference_every=args.reference_every)
     if args.command == "speed":
         from experiments.speed import run_speed
 
