@@ -30,6 +30,7 @@ from specrl.buffer import FeatureBuffer
 from specrl.controller import ControllerConfig, SpeculationController
 from specrl.draft_budget import DraftBudget
 from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
+from specrl.overlap import OverlappedBursts
 from specrl.scheduler import DraftScheduler, SchedulerConfig
 
 MODES = ("off", "frozen", "online")
@@ -90,6 +91,10 @@ class SpecCoTrainer:
         self.budget = DraftBudget(cfg.scheduler.draft_steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self._draft_steps_this_rl_step = 0
+        self._overlap = (OverlappedBursts(self.draft_trainer, cfg.scheduler.overlap_threads)
+                         if self.draft_trainer is not None and cfg.scheduler.mode == "overlap" else None)
+        self._burst: dict | None = None  # an overlapped burst collected but not yet reported
+        self._overlap_s = self._wait_s = 0.0
         self._mem: dict = {}  # the last memory plan's measured breakdown
         self._mem_shrunk = self._mem_skipped = 0  # bursts of this RL step cut or skipped by the memory budget
 
@@ -108,9 +113,10 @@ class SpecCoTrainer:
                 trainer.tap_layers = layer_ids
                 trainer.logprob_hooks.append(
                     self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version))
-            if "tail" in self.config.scheduler.windows:
+            sequential = self._overlap is None  # overlapped: the burst is the only window
+            if sequential and "tail" in self.config.scheduler.windows:
                 engine.step_hooks.append(self._tail_hook)
-            if trainer is not None and "interleaved" in self.config.scheduler.windows:
+            if sequential and trainer is not None and "interleaved" in self.config.scheduler.windows:
                 if not hasattr(trainer, "microstep_hooks"):
                     raise ValueError("the 'interleaved' window needs a trainer with microstep_hooks "
                                      "(called between the policy update's micro-steps)")
@@ -133,6 +139,7 @@ class SpecCoTrainer:
         self.scheduler.begin_step()
         self._draft_steps_this_rl_step = 0
         self._mem_shrunk = self._mem_skipped = 0
+        self._overlap_s = self._wait_s = 0.0
         self._train_metrics = []
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
@@ -172,6 +179,11 @@ class SpecCoTrainer:
         """Run draft updates within the scheduler's remaining budget, then hot-swap the weights."""
         if self.draft_trainer is None:
             return {}
+        if self._overlap is not None:  # a step boundary: collect the burst, swap, start the next
+            t0 = time.perf_counter()
+            self._overlap_boundary()
+            self.scheduler.charge("between", time.perf_counter() - t0)
+            return self.metrics()
         self.scheduler.run_window(window, self._train_burst)
         return self.metrics()
 
@@ -200,6 +212,9 @@ class SpecCoTrainer:
             # scheduler's windows, so in draft_train_s) plus feature capture in the trainer's forward
             m["perf/draft_overhead_s"] = m.get("perf/draft_train_s", 0.0) + m["perf/feature_capture_s"]
             m.update(self._mem)
+            if self._overlap is not None:
+                m["perf/draft_overlap_s"] = self._overlap_s  # burst time that ran under RL work
+                m["perf/draft_wait_s"] = self._wait_s  # the step boundary waiting for the burst
             m["sched/memory_shrunk"] = self._mem_shrunk
             m["sched/memory_skipped"] = self._mem_skipped
             m["buffer/entries"] = len(self.buffer)
@@ -267,12 +282,49 @@ class SpecCoTrainer:
         if result.get("last"):
             self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
         if self.draft_trainer.version != before:
-            t_sync = time.perf_counter()
-            self.speculator.load_draft_weights(self.draft_trainer.export_weights(), self.draft_trainer.version)
-            if self.speculator.controller is not None:
-                self.speculator.controller.reset_acceptance()
-            self._sync_s += time.perf_counter() - t_sync
+            self._sync_engine_draft()
         return time.perf_counter() - t0
+
+    def _overlap_boundary(self) -> None:
+        """Overlapped mode, at a step boundary (no forward in flight): finish the burst started at
+        the previous boundary, swap its weights into the engine's draft, start the next burst on
+        the buffer as it is now."""
+        self._finish_burst()
+        if self._burst is not None:
+            res, self._burst = self._burst, None
+            self._draft_steps_this_rl_step += res["steps"]
+            self._overlap_s += res["hidden_s"]
+            self._wait_s += res["wait_s"]
+            if res.get("last"):
+                self._train_metrics.append(res["last"] | {"draft_loss": res["mean_loss"]})
+        if self.draft_trainer.version != self.speculator.version:
+            self._sync_engine_draft()
+        if len(self.buffer) < self.config.min_buffer_records:
+            return
+        steps = self.budget.steps(self.config.max_draft_steps)
+        batch = self._memory_plan() if steps > 0 else 0
+        if steps <= 0 or batch == 0:
+            return
+        recent = self.config.recent_versions
+        budget = self.scheduler.budget_s  # the same time budget per step as the sequential windows
+        self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
+                             prefer_rejected=self.config.online.prefer_rejected,
+                             min_version=max(0, self.policy_version - recent) if recent else None)
+
+    def _finish_burst(self) -> None:
+        """Wait for the overlapped burst in flight, if any; its result waits in self._burst."""
+        if self._overlap is not None and self._overlap.busy:
+            try:
+                self._burst = self._overlap.collect()
+            except Exception as err:  # the burst failed: its update is dropped, the RL run goes on
+                self._on_draft_error(err)
+
+    def _sync_engine_draft(self) -> None:
+        t_sync = time.perf_counter()
+        self.speculator.load_draft_weights(self.draft_trainer.export_weights(), self.draft_trainer.version)
+        if self.speculator.controller is not None:
+            self.speculator.controller.reset_acceptance()
+        self._sync_s += time.perf_counter() - t_sync
 
     def _on_draft_error(self, err: Exception) -> None:
         self.faults += 1
@@ -282,6 +334,7 @@ class SpecCoTrainer:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {"mode": "off"}
+        self._finish_burst()  # a consistent draft trainer; the engine swap still waits for the boundary
         return {"mode": self.config.mode, "policy_version": self.policy_version,
                 "engine_draft": {k: v.clone() for k, v in self.speculator.draft.state_dict().items()},
                 "engine_draft_version": self.speculator.version,

@@ -26,6 +26,12 @@ the scheduler hands out time, not steps:
 - Time spent is the larger of what the work reports and what the clock saw, so an asynchronous
   device (work queued, not finished) or a clock that misses device time cannot hide it.
 
+Mode "overlap" replaces the windows: one burst per RL step trains on its own thread (CPU) or
+CUDA stream (GPU) while the next step runs (specrl.overlap); only the step boundary's own work
+(waiting for a burst still running, starting the next, syncing weights) is charged here, to
+"between". Contention for the device is not visible to this accounting; measure it by timing
+steps with and without training (specrl.bench_overlap).
+
 Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
 tensors: the draft's parameters and gradients, the optimizer state, the feature buffer, and the
 activations of one update (measured per record by the online trainer). `fit_batch` shrinks an
@@ -58,6 +64,10 @@ class SchedulerConfig:
     # how many updates a step may run (the cap is CoTrainConfig.max_draft_steps): "fixed" (the cap)
     # or "acceptance" (more when acceptance falls or the policy moves); specrl.draft_budget
     draft_steps: DraftBudgetConfig = field(default_factory=DraftBudgetConfig)
+    # "sequential": the windows above, on the RL loop's thread; "overlap": a burst per RL step runs on
+    # its own thread / CUDA stream while the next step runs, swapped in at the step boundary (specrl.overlap)
+    mode: str = "sequential"
+    overlap_threads: int = 1  # intra-op threads of the overlapped burst's thread (CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.windows, str):
@@ -74,6 +84,9 @@ class SchedulerConfig:
              f"memory_budget_bytes must be None or positive, got {self.memory_budget_bytes}"),
             (not bad, f"windows must be among {WINDOWS}, got {bad}"),
             (0.0 < self.ema <= 1.0, f"ema must be in (0, 1], got {self.ema}"),
+            (self.mode in ("sequential", "overlap"), f"mode must be 'sequential' or 'overlap', got {self.mode!r}"),
+            (isinstance(self.overlap_threads, int) and self.overlap_threads > 0,
+             f"overlap_threads must be a positive integer, got {self.overlap_threads!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -150,6 +163,12 @@ class DraftScheduler:
         spent = max(self.clock() - t0, float(reported or 0.0), 0.0)
         self._spent[name] += spent
         return spent
+
+    def charge(self, name: str, seconds: float) -> None:
+        """Account draft time spent outside run_window (the overlapped mode's step boundary:
+        waiting for the burst, starting the next, syncing weights) to window `name`."""
+        self._ensure_step()
+        self._spent[name] += max(0.0, float(seconds))
 
     def end_step(self, step_wall_s: float | None = None) -> dict:
         """Close the RL step (wall time measured by the caller, or by the clock since
