@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
+    o = bsub.add_parser("overlap", help="RL step time with no draft training, sequential and overlapped co-training")
+    _add_common(o)
+    o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
+    o.add_argument("--warmup", type=int, default=2)
 
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
@@ -90,6 +94,11 @@ def run(args: argparse.Namespace) -> dict:
 
         return bench_speed(args.task, args.preset, args.out, _positive_ints(args.batches, "--batches"),
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+    if args.command == "bench" and args.bench == "overlap":
+        from specrl.bench_overlap import bench_overlap
+
+        return bench_overlap(args.task, args.preset, args.out, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                             cache_dir=args.cache_dir)
     if args.command == "drift":
         from experiments.drift import run_drift
 

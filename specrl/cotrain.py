@@ -8,7 +8,7 @@
         cotrain.on_rollout(trajs)             # acceptance statistics (+ engine-side features)
         trainer.step(...)                     # its log-prob forward feeds the feature buffer
         cotrain.on_policy_update()            # the policy moved: version += 1
-        cotrain.train_draft()                 # idle window between steps; hot-swaps fresh weights
+        cotrain.train_draft()                 # draft updates (or, overlapped, the step boundary); hot swap
         log(cotrain.metrics())
 
 Modes: "off" attaches nothing (the host loop runs exactly as without specrl), "frozen"
@@ -176,7 +176,10 @@ class SpecCoTrainer:
             self.budget.observe_kl(kl)
 
     def train_draft(self, window: str = "between") -> dict:
-        """Run draft updates within the scheduler's remaining budget, then hot-swap the weights."""
+        """Sequential mode: run draft updates within the scheduler's remaining budget, then
+        hot-swap the weights. Overlapped mode (SchedulerConfig.mode): this call is the step
+        boundary; it collects the burst started at the previous call (waiting if it still runs),
+        swaps its weights into the engine, and starts the next burst in the background."""
         if self.draft_trainer is None:
             return {}
         if self._overlap is not None:  # a step boundary: collect the burst, swap, start the next
