@@ -1,5 +1,8 @@
 """What online draft training adds to the RL step, sequential versus overlapped (prints and saves JSON).
 
+The co-training is the drift runs' (presets.DRIFT_COTRAIN: one update of 12 sequences per RL
+step, features from the trainer's forward) on the chosen preset's model, task and RL sizes.
+
 Three copies of one RL run take turns step by step (so a slow spell of a shared machine hits
 them alike): "none" speculates with the starting draft and trains nothing (CoTrainConfig mode
 "frozen"); "sequential" and "overlap" co-train online in the two scheduler modes. All three
@@ -26,7 +29,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from specrl.bench import machine_info
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
-from specrl.presets import RunPreset, get_preset
+from specrl.presets import DRIFT_COTRAIN, RunPreset, get_preset
 from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
 from target_training.grpo import GRPOTrainer
 
@@ -37,7 +40,7 @@ def _arm(mode: str, policy, draft, preset: RunPreset, seed: int):
     policy = copy.deepcopy(policy)
     draft = copy.deepcopy(draft)
     draft.set_target_embedding(policy.embed_tokens)
-    cfg = preset.cotrain
+    cfg = DRIFT_COTRAIN  # the drift runs' co-training, whose cost the README reports
     if mode == "none":
         cfg = dataclasses.replace(cfg, mode="frozen", seed=seed)
     else:
