@@ -7,14 +7,29 @@ with the *current* policy:
   plain      no speculation (the yardstick for speed-up)
   frozen     the starting offline draft, never updated
   online     the draft specrl co-trains during the run (the engine's hot-swapped copy)
-  reference  a draft retrained offline on the current policy (an upper bound; end of run)
+  reference  a draft retrained offline on the current policy (an upper bound): at the end of
+             the run, and at every N-th evaluation point with `reference_every` N (the full
+             preset: every point). At step 0 the reference is the starting draft itself: it is
+             that same offline recipe on that same policy, so nothing is retrained there.
 
 Decoding is sampled at the rollout temperature with counter-based noise, so every arm emits
 exactly the same tokens (speculation is lossless) and only accept length and speed differ.
 Drift is measured as the policy's token-level KL from its starting point on plain's samples.
 
-Outputs in DIR: metrics.jsonl (a row per evaluation point and arm), summary.json, rl/ (the RL
-run's own metrics.jsonl and checkpoint) and the PNG plots of `experiments.plots`.
+Outputs in DIR: metrics.jsonl (a row per evaluation point and arm; the online row of a point
+with a reference carries `online_over_reference`, the ratio of their accept lengths),
+summary.json, rl/ (the RL run's own metrics.jsonl and checkpoint) and the PNG plots of
+`experiments.plots`.
+
+What the online draft costs, `draft_added_fraction` in summary.json: RL step time with online
+co-training over RL step time with the same speculation and no draft training, minus 1, from
+this one run. Every piece of draft work runs sequentially on the RL loop's own thread in the
+scheduler's windows (`perf/draft_train_s`, which includes the weight sync) or inside the
+policy trainer's log-prob forward (`perf/feature_capture_s`), each timed by the clock around
+it. Without draft training those pieces are simply absent and the rest of the step is the
+same work (the engine speculates with the same draft weights either way), so
+  draft_added_fraction = sum(draft_train_s + feature_capture_s) / sum(step_s - those) over the
+RL steps. Evaluation and reference training run in callbacks, outside step_s.
 
 Reproducibility: draft training runs a fixed number of updates per RL step (its time budget
 is set so it never binds), so with one seed every field of summary.json is byte-identical
@@ -45,7 +60,8 @@ from target_training.grpo import pack_batch
 ARMS = ("plain", "frozen", "online", "reference")
 # fields of summary.json that come from the wall clock and differ between runs of one seed
 TIMING_FIELDS = ("speedup_frozen_start", "speedup_frozen_end", "speedup_online_end", "speedup_reference_end",
-                 "speedup_vs_batch", "plain_tokens_per_s_end", "draft_overhead_fraction", "rl_step_s", "wall_s")
+                 "speedup_vs_batch", "plain_tokens_per_s_end", "draft_added_fraction",
+                 "rl_step_s", "wall_s")
 
 
 class DriftError(ValueError):
@@ -59,13 +75,13 @@ class DriftPreset:
     eval_prompts: int = 32
     eval_batch: int = 8  # speculation pays best at small to moderate batch on an MoE target (DESIGN 4)
     timing_repeats: int = 2
-    reference_at: str = "end"  # "end" or "every": when to retrain the reference draft
+    reference_every: int = 0  # retrain the reference at every N-th evaluation point (0: at the end only)
     speed_batches: tuple[int, ...] = (1, 4, 16, 64)  # the end-of-run speed-up vs batch size sweep
 
     def __post_init__(self) -> None:
         require_positive(self, ("eval_every", "eval_prompts", "eval_batch", "timing_repeats"), DriftError)
-        if self.reference_at not in ("end", "every"):
-            raise DriftError(f"reference_at must be 'end' or 'every', got {self.reference_at!r}")
+        if isinstance(self.reference_every, bool) or not isinstance(self.reference_every, int) or self.reference_every < 0:
+            raise DriftError(f"reference_every must be a non-negative integer, got {self.reference_every!r}")
         if not self.speed_batches or any(b <= 0 for b in self.speed_batches):
             raise DriftError(f"speed_batches must be positive batch sizes, got {self.speed_batches}")
 
@@ -77,10 +93,12 @@ def _drift_rl(base: str, **kw) -> RunPreset:
 DRIFT_PRESETS: dict[str, DriftPreset] = {
     "ci": DriftPreset(rl=_drift_rl("ci", rl_steps=4, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                    cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
-                      eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8)),
+                      eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
+                      reference_every=1),
     "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
-                                     cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64),
+                                     cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64,
+                      reference_every=1),
 }
 
 
@@ -111,6 +129,7 @@ class DriftEvaluator(RLCallback):
         self.frozen_draft = self.start_policy = self.prompts = None
         self.reference_draft = None
         self.speed_rows: list[dict] = []
+        self.points = 0  # evaluation points done
 
     # -- callbacks ---------------------------------------------------------------------------
     def on_start(self, run: RLRun) -> None:
@@ -130,10 +149,12 @@ class DriftEvaluator(RLCallback):
         self.speed_rows = self.speed_vs_batch(run)
 
     # -- measurement -------------------------------------------------------------------------
-    def drafts(self, run: RLRun, final: bool) -> dict:
+    def drafts(self, run: RLRun, step: int, final: bool) -> dict:
         arms = {"plain": None, "frozen": self.frozen_draft, "online": run.cotrain.speculator.draft}
-        if final or self.preset.reference_at == "every":
-            self.reference_draft = self.train_reference(run)
+        every = self.preset.reference_every
+        if final or (every and self.points % every == 0):
+            # step 0: the starting draft is the offline recipe on the current policy already
+            self.reference_draft = self.frozen_draft if step == 0 else self.train_reference(run)
             arms["reference"] = self.reference_draft
         return arms
 
@@ -146,7 +167,8 @@ class DriftEvaluator(RLCallback):
     def evaluate(self, run: RLRun, step: int, final: bool = False) -> None:
         run.policy.eval()
         params = rollout_params(run.preset, run.tokenizer, run.seed)
-        results = self.time_arms(run, self.drafts(run, final), self.preset.eval_batch, self.prompts, params)
+        results = self.time_arms(run, self.drafts(run, step, final), self.preset.eval_batch, self.prompts, params)
+        self.points += 1
         plain = results.pop("plain")
         self.rows.append({"step": step, "arm": "plain", "tokens": plain["tokens"],
                           "tokens_per_s": plain["tokens_per_s"], "mean_response_len": plain["tokens"] / len(self.prompts),
@@ -160,6 +182,9 @@ class DriftEvaluator(RLCallback):
                               "accept_length": agg["accept_length"], "accept_rate": agg["accept_rate"],
                               "accept_rate_per_pos": agg["accept_rate_per_pos"],
                               "speedup": r["tokens_per_s"] / plain["tokens_per_s"]})
+        pts = {r["arm"]: r for r in self.rows if r["step"] == step}
+        if "reference" in pts:
+            pts["online"]["online_over_reference"] = pts["online"]["accept_length"] / pts["reference"]["accept_length"]
         self._log_point(step)
 
     def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params) -> dict[str, dict]:
@@ -198,6 +223,7 @@ class DriftEvaluator(RLCallback):
     def _log_point(self, step: int) -> None:
         pts = [r for r in self.rows if r["step"] == step]
         parts = [f"{r['arm']} tau {r['accept_length']:.2f} x{r['speedup']:.2f}" for r in pts if r["arm"] != "plain"]
+        parts += [f"online/reference {r['online_over_reference']:.3f}" for r in pts if "online_over_reference" in r]
         kl = next(r["kl_from_start"] for r in pts if r["arm"] == "plain")
         self.log(f"[drift] step {step:>3}: KL {kl:.3f}  " + "  ".join(parts))
 
@@ -209,14 +235,18 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
     def at(step, arm, key):
         return next(r[key] for r in rows if r["step"] == step and r["arm"] == arm)
 
-    draft_s = sum(r["perf/draft_overhead_s"] for r in rl_rows)
+    draft_s = sum(r["perf/draft_overhead_s"] for r in rl_rows)  # draft_train_s + feature_capture_s
     step_s = sum(r["step_s"] for r in rl_rows)
+    ratios = [r["online_over_reference"] for r in rows if "online_over_reference" in r]
     summary = {
         "seed": seed, "rl_steps": rl_summary["rl_steps"],
         "tau_start": at(0, "frozen", "accept_length"),
         "tau_frozen_end": at(last_step, "frozen", "accept_length"),
         "tau_online_end": at(last_step, "online", "accept_length"),
         "tau_reference_end": at(last_step, "reference", "accept_length"),
+        # the online draft's accept length over the reference's, worst evaluation point (per point in metrics.jsonl)
+        "online_over_reference_min": min(ratios),
+        "reference_steps": sorted(r["step"] for r in rows if r["arm"] == "reference"),
         "reward_start": rl_summary["reward_start"], "reward_end": rl_summary["reward_end"],
         "kl_end": at(last_step, "plain", "kl_from_start"),
         "response_len_start": at(0, "plain", "mean_response_len"),
@@ -228,7 +258,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "speedup_reference_end": at(last_step, "reference", "speedup"),
         "speedup_vs_batch": evaluator.speed_rows,
         "plain_tokens_per_s_end": at(last_step, "plain", "tokens_per_s"),
-        "draft_overhead_fraction": draft_s / max(step_s - draft_s, 1e-9),  # added to the step without it
+        "draft_added_fraction": draft_s / max(step_s - draft_s, 1e-9),  # see the module docstring
         "rl_step_s": step_s / max(1, len(rl_rows)),
         "wall_s": wall_s,
         "timing_fields": list(TIMING_FIELDS),
@@ -243,9 +273,11 @@ def deterministic_part(summary: dict) -> dict:
 
 
 def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
-              progress: bool = True, plots: bool = True, log=print) -> dict:
+              progress: bool = True, plots: bool = True, reference_every: int | None = None, log=print) -> dict:
     t0 = time.perf_counter()
     preset = preset if isinstance(preset, DriftPreset) else get_drift_preset(preset)
+    if reference_every is not None:
+        preset = dataclasses.replace(preset, reference_every=reference_every)  # validated by DriftPreset
     out = Path(out_dir)
     if (out / "summary.json").exists() or (out / "rl").exists():
         raise DriftError(f"output folder {out} already holds a drift run; choose another --out")

@@ -53,10 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(f)
     f.add_argument("--batches", default="1,4,16")
     f.add_argument("--temperature", type=float, default=0.0)
+    o = bsub.add_parser("overlap", help="RL step time with no draft training, sequential and overlapped co-training")
+    _add_common(o)
+    o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
+    o.add_argument("--warmup", type=int, default=2)
 
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--reference-every", type=int, default=None, metavar="N",
+                   help="retrain the reference draft at every N-th evaluation point (0: at the end only; "
+                        "default: the preset's, every point for full)")
     p = sub.add_parser("speed", help="speed sweeps over batch size, chain length and tree budget, with the bound")
     _add_common(p)
     p.add_argument("--batches", default="1,4,16,64")
@@ -142,11 +149,16 @@ def run(args: argparse.Namespace) -> dict:
 
         return bench_profile(args.task, args.preset, args.out, args.batch_list,
                              seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+    if args.command == "bench" and args.bench == "overlap":
+        from specrl.bench_overlap import bench_overlap
+
+        return bench_overlap(args.task, args.preset, args.out, steps=args.steps, warmup=args.warmup, seed=args.seed,
+                             cache_dir=args.cache_dir)
     if args.command == "drift":
         from experiments.drift import run_drift
 
         return run_drift(args.preset, args.out, seed=args.seed, task=args.task, cache_dir=args.cache_dir,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, reference_every=args.reference_every)
     if args.command == "speed":
         from experiments.speed import run_speed
         from rollout.speculative import MAX_SPEC_DEPTH, MAX_TREE_BUDGET

@@ -8,7 +8,7 @@
         cotrain.on_rollout(trajs)             # acceptance statistics (+ engine-side features)
         trainer.step(...)                     # its log-prob forward feeds the feature buffer
         cotrain.on_policy_update()            # the policy moved: version += 1
-        cotrain.train_draft()                 # idle window between steps; hot-swaps fresh weights
+        cotrain.train_draft()                 # draft updates (or, overlapped, the step boundary); hot swap
         log(cotrain.metrics())
 
 Modes: "off" attaches nothing (the host loop runs exactly as without specrl), "frozen"
@@ -28,7 +28,9 @@ from rollout.protocol import summarize_spec_stats
 from rollout.speculative import SpecConfig, Speculator
 from specrl.buffer import FeatureBuffer
 from specrl.controller import ControllerConfig, SpeculationController
+from specrl.draft_budget import DraftBudget
 from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer, check_draft_weights
+from specrl.overlap import OverlappedBursts
 from specrl.scheduler import DraftScheduler, SchedulerConfig
 
 MODES = ("off", "frozen", "online")
@@ -68,6 +70,7 @@ class SpecCoTrainer:
         self.speculator = None
         self.draft_trainer = None
         self.faults = 0
+        self._faults_seen = 0  # speculator faults already reported by on_rollout
         self._step_metrics: dict = {}
         self._rollout_metrics: dict = {}
         self._train_metrics: list[dict] = []  # draft-training results of the current RL step
@@ -84,8 +87,16 @@ class SpecCoTrainer:
         self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed)
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
         self.scheduler = DraftScheduler(cfg.scheduler, on_error=self._on_draft_error)
+        # updates per RL step (fixed or acceptance-driven) and the collapse alarm (every speculating mode)
+        self.budget = DraftBudget(cfg.scheduler.draft_steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self._draft_steps_this_rl_step = 0
+        self._overlap = (OverlappedBursts(self.draft_trainer, cfg.scheduler.overlap_threads)
+                         if self.draft_trainer is not None and cfg.scheduler.mode == "overlap" else None)
+        self._burst: dict | None = None  # an overlapped burst collected but not yet reported
+        self._overlap_s = self._wait_s = 0.0
+        self._mem: dict = {}  # the last memory plan's measured breakdown
+        self._mem_shrunk = self._mem_skipped = 0  # bursts of this RL step cut or skipped by the memory budget
 
     # -- wiring ---------------------------------------------------------------------------
     def attach(self, engine, trainer=None) -> "SpecCoTrainer":
@@ -102,8 +113,14 @@ class SpecCoTrainer:
                 trainer.tap_layers = layer_ids
                 trainer.logprob_hooks.append(
                     self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version))
-            if "tail" in self.config.scheduler.windows:
+            sequential = self._overlap is None  # overlapped: the burst is the only window
+            if sequential and "tail" in self.config.scheduler.windows:
                 engine.step_hooks.append(self._tail_hook)
+            if sequential and trainer is not None and "interleaved" in self.config.scheduler.windows:
+                if not hasattr(trainer, "microstep_hooks"):
+                    raise ValueError("the 'interleaved' window needs a trainer with microstep_hooks "
+                                     "(called between the policy update's micro-steps)")
+                trainer.microstep_hooks.append(self._interleaved_hook)
         return self
 
     @property
@@ -121,6 +138,8 @@ class SpecCoTrainer:
             return
         self.scheduler.begin_step()
         self._draft_steps_this_rl_step = 0
+        self._mem_shrunk = self._mem_skipped = 0
+        self._overlap_s = self._wait_s = 0.0
         self._train_metrics = []
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
@@ -136,20 +155,38 @@ class SpecCoTrainer:
             "rollout/spec_accept_rate": agg["accept_rate"],
             "rollout/spec_verify_steps": agg["verify_steps"],
             "rollout/spec_accept_rate_per_pos": agg["accept_rate_per_pos"],
-            "rollout/spec_faults": len(self.speculator.faults),
+            # draft-side faults that switched speculation off for a generate call: in this
+            # rollout, and since the start (never silent: a run that lost its speed-up says why)
+            "rollout/spec_faults": len(self.speculator.faults) - self._faults_seen,
+            "rollout/spec_faults_total": len(self.speculator.faults),
         }
+        self._faults_seen = len(self.speculator.faults)
+        self.budget.observe(agg["accept_length"], agg["verify_steps"] > 0)
+        self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
+                                      "rollout/spec_collapse_alarms": self.budget.alarms})
         if self.capture_engine_features:
             self.buffer.add_trajectories(trajectories, self.policy_version)
         return self._rollout_metrics
 
-    def on_policy_update(self) -> None:
+    def on_policy_update(self, kl: float | None = None) -> None:
+        """The policy moved: version += 1. `kl`, if the host measures it, is how far this update
+        moved the policy; the acceptance-driven budget spends more draft updates on large moves."""
         if self.enabled:
             self.policy_version += 1
+            self.budget.observe_kl(kl)
 
     def train_draft(self, window: str = "between") -> dict:
-        """Run draft updates within the scheduler's remaining budget, then hot-swap the weights."""
+        """Sequential mode: run draft updates within the scheduler's remaining budget, then
+        hot-swap the weights. Overlapped mode (SchedulerConfig.mode): this call is the step
+        boundary; it collects the burst started at the previous call (waiting if it still runs),
+        swaps its weights into the engine, and starts the next burst in the background."""
         if self.draft_trainer is None:
             return {}
+        if self._overlap is not None:  # a step boundary: collect the burst, swap, start the next
+            t0 = time.perf_counter()
+            self._overlap_boundary()
+            self.scheduler.charge("between", time.perf_counter() - t0)
+            return self.metrics()
         self.scheduler.run_window(window, self._train_burst)
         return self.metrics()
 
@@ -170,12 +207,19 @@ class SpecCoTrainer:
             losses = [t["draft_loss"] for t in self._train_metrics if "draft_loss" in t]
             m["train/draft_loss"] = sum(losses) / len(losses) if losses else None
             m["train/draft_steps"] = self._draft_steps_this_rl_step
+            m.update(self.budget.metrics(self.config.max_draft_steps))
             m["train/draft_version"] = self.draft_trainer.version
             m["perf/draft_sync_s"] = self._sync_s
             m["perf/feature_capture_s"] = self.buffer.capture_seconds - self._capture_s0
             # all the online draft adds to the RL step: training and weight sync (both inside the
             # scheduler's windows, so in draft_train_s) plus feature capture in the trainer's forward
             m["perf/draft_overhead_s"] = m.get("perf/draft_train_s", 0.0) + m["perf/feature_capture_s"]
+            m.update(self._mem)
+            if self._overlap is not None:
+                m["perf/draft_overlap_s"] = self._overlap_s  # burst time that ran under RL work
+                m["perf/draft_wait_s"] = self._wait_s  # the step boundary waiting for the burst
+            m["sched/memory_shrunk"] = self._mem_shrunk
+            m["sched/memory_skipped"] = self._mem_skipped
             m["buffer/entries"] = len(self.buffer)
             m["buffer/bytes"] = self.buffer.nbytes
         m["train/draft_faults"] = self.faults
@@ -190,22 +234,50 @@ class SpecCoTrainer:
 
         self.scheduler.on_engine_step(n_active, n_slots, work=work)
 
+    def _interleaved_hook(self, done: int, total: int) -> None:
+        """Runs between two micro-steps of the policy update (grad mode on): one draft update."""
+        self.scheduler.run_window("interleaved", lambda remaining: self._train_burst(remaining, 1))
+
+    def _memory_plan(self) -> int:
+        """The batch size the next update may use under the memory budget (0: skip it), with the
+        measured breakdown kept for the metrics. Before AdamW's first step its two moments per
+        parameter are projected; activations are the trainer's measured bytes per record (zero
+        before the first update, which therefore only the other terms can stop)."""
+        mem = self.draft_trainer.memory_bytes()
+        opt = mem["optimizer"] or 2 * mem["params"]
+        fixed = mem["params"] + mem["grads"] + opt + self.buffer.nbytes
+        per_record = self.draft_trainer.activation_bytes_per_record or 0.0
+        batch = self.draft_trainer.config.batch_size
+        fit = self.scheduler.fit_batch(fixed, per_record, batch)
+        self._mem = {"mem/draft_params_bytes": mem["params"], "mem/draft_grads_bytes": mem["grads"],
+                     "mem/draft_optimizer_bytes": opt, "mem/buffer_bytes": self.buffer.nbytes,
+                     "mem/draft_activation_bytes": int(per_record * (fit or batch)),
+                     "mem/draft_total_bytes": int(fixed + per_record * (fit or batch))}
+        if fit == 0:
+            self._mem_skipped += 1
+        elif fit < batch:
+            self._mem_shrunk += 1
+        return fit
+
     def _train_burst(self, remaining_s: float, max_steps: int | None = None) -> float:
         t0 = time.perf_counter()
         if len(self.buffer) < self.config.min_buffer_records:
             return 0.0
-        if not self.scheduler.memory_ok(self.buffer.nbytes):
-            return 0.0
-        left = self.config.max_draft_steps - self._draft_steps_this_rl_step
+        # the step's update count: the cap, or what the acceptance-driven rule grants (it reads the
+        # rollouts observed so far, so the tail window goes by the previous step's rollout)
+        left = self.budget.steps(self.config.max_draft_steps) - self._draft_steps_this_rl_step
         steps = left if max_steps is None else min(left, max_steps)
         if steps <= 0:
             return 0.0
+        batch = self._memory_plan()
+        if batch == 0:  # even one record would exceed the memory budget: skip, reported in metrics
+            return time.perf_counter() - t0
         before, rollbacks = self.draft_trainer.version, self.draft_trainer.counters["rollbacks"]
         try:
             recent = self.config.recent_versions
             min_version = max(0, self.policy_version - recent) if recent else None
             result = self.draft_trainer.train_for(self.buffer, steps, remaining_s, self.generator,
-                                                  min_version=min_version)
+                                                  min_version=min_version, batch_size=batch)
         except Exception as err:  # OOM, NaN or a bug on the draft side: never stop the RL run
             self._on_draft_error(err)
             return time.perf_counter() - t0
@@ -241,6 +313,40 @@ class SpecCoTrainer:
         if self.speculator.controller is not None:
             self.speculator.controller.reset_acceptance()
 
+    def _overlap_boundary(self) -> None:
+        """Overlapped mode, at a step boundary (no forward in flight): finish the burst started at
+        the previous boundary, swap its weights into the engine's draft, start the next burst on
+        the buffer as it is now."""
+        self._finish_burst()
+        if self._burst is not None:
+            res, self._burst = self._burst, None
+            self._draft_steps_this_rl_step += res["steps"]
+            self._overlap_s += res["hidden_s"]
+            self._wait_s += res["wait_s"]
+            if res.get("last"):
+                self._train_metrics.append(res["last"] | {"draft_loss": res["mean_loss"]})
+        if self.draft_trainer.version != self.speculator.version:
+            self._push_weights()
+        if len(self.buffer) < self.config.min_buffer_records:
+            return
+        steps = self.budget.steps(self.config.max_draft_steps)
+        batch = self._memory_plan() if steps > 0 else 0
+        if steps <= 0 or batch == 0:
+            return
+        recent = self.config.recent_versions
+        budget = self.scheduler.budget_s  # the same time budget per step as the sequential windows
+        self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
+                             prefer_rejected=self.config.online.prefer_rejected,
+                             min_version=max(0, self.policy_version - recent) if recent else None)
+
+    def _finish_burst(self) -> None:
+        """Wait for the overlapped burst in flight, if any; its result waits in self._burst."""
+        if self._overlap is not None and self._overlap.busy:
+            try:
+                self._burst = self._overlap.collect()
+            except Exception as err:  # the burst failed: its update is dropped, the RL run goes on
+                self._on_draft_error(err)
+
     def _on_draft_error(self, err: Exception) -> None:
         self.faults += 1
         warnings.warn(f"draft training step failed and was skipped ({type(err).__name__}: {err})", RuntimeWarning)
@@ -249,6 +355,7 @@ class SpecCoTrainer:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {"mode": "off"}
+        self._finish_burst()  # a consistent draft trainer; the engine swap still waits for the boundary
         return {"mode": self.config.mode, "policy_version": self.policy_version,
                 "engine_draft": {k: v.clone() for k, v in self.speculator.draft.state_dict().items()},
                 "engine_draft_version": self.speculator.version,
@@ -256,7 +363,7 @@ class SpecCoTrainer:
                 # the buffer's records too: the next draft updates sample them, so an exact resume needs them
                 "buffer": self.buffer.state_dict(include_tensors=True), "scheduler": self.scheduler.state_dict(),
                 "controller": self.speculator.controller.state_dict() if self.speculator.controller else None,
-                "generator": self.generator.get_state(), "faults": self.faults}
+                "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.config.mode:
@@ -287,3 +394,4 @@ class SpecCoTrainer:
             self.speculator.controller.load_state_dict(state["controller"])
         self.generator.set_state(state["generator"])
         self.faults = state["faults"] + faults
+        self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it

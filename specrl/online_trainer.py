@@ -39,6 +39,29 @@ from draft_models.train import collate
 from draft_models.ttt import ttt_loss
 
 
+class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
+    """Counts the bytes autograd keeps for backward in a forward (each storage once; the draft's
+    own parameters excluded, they are counted apart): the step's activation memory, measured on
+    any device."""
+
+    def __init__(self, params, inputs=()):
+        self.nbytes = 0
+        seen = {p.untyped_storage().data_ptr() for p in params}
+        for t in inputs:  # the step's input batch: counted once here, whether autograd saves it or not
+            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                self.nbytes += t.untyped_storage().nbytes()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                self.nbytes += storage.nbytes()
+            return t
+
+        super().__init__(pack, lambda t: t)
+
+
 @dataclass
 class OnlineDraftConfig:
     lr: float = 1e-3
@@ -174,6 +197,7 @@ class OnlineDraftTrainer:
         self.version = 0
         self.step_seconds: float | None = None  # running estimate of one update, for budgeting
         self.counters = {"steps": 0, "updates": 0, "skipped_nonfinite": 0, "skipped_empty": 0, "rollbacks": 0}
+        self.activation_bytes_per_record: float | None = None  # measured, largest seen (memory budget)
         self._good: dict | None = None  # the last finite weights and optimizer state (CPU copies)
         self._snapshot()
 
@@ -200,17 +224,19 @@ class OnlineDraftTrainer:
         return True
 
     # ------------------------------------------------------------------ one step
-    def train_step(self, buffer, generator: torch.Generator | None, *, min_version: int | None = None) -> dict:
+    def train_step(self, buffer, generator: torch.Generator | None, *, min_version: int | None = None,
+                   batch_size: int | None = None) -> dict:
         """One AdamW step on a batch sampled from `buffer`.
 
         Soft targets when every sampled record has target_logp, else hard labels for the whole
         batch (collate needs one kind). Metrics: draft_loss, grad_norm, acc_k / ce_k / accept_k /
         n_k from ttt_loss, seconds, version, soft_targets, skipped_nonfinite, skipped_empty,
-        staleness (newest minus oldest policy version in the batch)."""
+        staleness (newest minus oldest policy version in the batch), activation_bytes.
+        `batch_size` overrides the config's (the memory budget shrinks it)."""
         cfg = self.config
         t0 = time.perf_counter()
         self.counters["steps"] += 1
-        records = buffer.sample(cfg.batch_size, generator, prefer_rejected=cfg.prefer_rejected,
+        records = buffer.sample(batch_size or cfg.batch_size, generator, prefer_rejected=cfg.prefer_rejected,
                                 min_version=min_version)
         if not records:
             self.counters["skipped_empty"] += 1
@@ -220,8 +246,9 @@ class OnlineDraftTrainer:
         records, batch = step_batch(records, self.draft.fc.weight.device, self.draft.fc.weight.dtype, soft=soft)
         was_training = self.draft.training
         self.draft.train()
+        act = _SavedBytes(self._params, batch.values())
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), act:
                 loss, metrics = step_loss(_ttt(self.draft), batch, cfg)
                 self.optimizer.zero_grad(set_to_none=True)
                 ok = math.isfinite(metrics["loss"])
@@ -250,13 +277,15 @@ class OnlineDraftTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
         finally:
             self.draft.train(was_training)
+        act_bytes = act.nbytes  # the step's activations: the collated batch and what autograd saved
+        self.activation_bytes_per_record = max(act_bytes / len(records), self.activation_bytes_per_record or 0.0)
         metrics = step_metrics(metrics, records, grad_norm=gnorm, soft=soft, ok=ok, version=self.version, t0=t0)
-        metrics["rolled_back"] = rolled_back
+        metrics.update(rolled_back=rolled_back, activation_bytes=act_bytes)
         return metrics
 
     # ------------------------------------------------------------------ budgeted bursts
     def train_for(self, buffer, max_steps: int, time_budget_s: float, generator: torch.Generator | None, *,
-                  min_version: int | None = None) -> dict:
+                  min_version: int | None = None, batch_size: int | None = None) -> dict:
         """Run steps until max_steps or the time budget. A step is not started when the measured
         step time (an average kept across calls) says it would overrun the budget: the RL step
         must not wait on the draft. Only the very first step, with nothing measured yet, runs on
@@ -274,7 +303,7 @@ class OnlineDraftTrainer:
             if self.step_seconds is not None and elapsed + self.step_seconds > time_budget_s:
                 break
             t_step = time.perf_counter()
-            last = self.train_step(buffer, generator, min_version=min_version)
+            last = self.train_step(buffer, generator, min_version=min_version, batch_size=batch_size)
             if last.get("skipped_empty"):
                 break
             dt = time.perf_counter() - t_step
@@ -289,6 +318,19 @@ class OnlineDraftTrainer:
                 "seconds": time.perf_counter() - t0,
                 "mean_loss": sum(losses) / len(losses) if losses else float("nan"),
                 "version": self.version, "last": last}
+
+    # ------------------------------------------------------------------ memory
+    def memory_bytes(self) -> dict[str, int]:
+        """The draft side's resident bytes, measured on the live tensors: parameters, their
+        gradients (allocated by every backward), and the optimizer's state (AdamW: two moments
+        per parameter once it has stepped). Activations scale with the batch: see
+        `activation_bytes_per_record`, measured by every train_step (None before the first)."""
+        def size(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if torch.is_tensor(t))
+
+        params = size(self._params)
+        opt = sum(size(st.values()) for st in self.optimizer.state.values())
+        return {"params": params, "grads": params, "optimizer": opt}
 
     # ------------------------------------------------------------------ weights out, checkpoints
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -9,14 +9,33 @@ the scheduler hands out time, not steps:
   budget is a fraction of the RL work itself and does not feed on its own overhead. Before the
   first step is measured, the base is the RL time elapsed so far in the current step, a lower
   bound on that step, so the budget can only err short.
-- Windows: "tail" - the rollout's long tail, when at most tail_threshold of the engine's slots
-  are still decoding and the device is mostly idle (the engine asks once per engine step);
-  "between" - after the rollout, before the policy update; "interleaved" - inside the policy
-  update, between its micro-steps. Only the windows in `windows` ever run.
+- Windows, each a sequential call that runs on the caller's thread and adds its time to the
+  RL step (only the windows in `windows` ever run):
+  "tail" - inside `EmbeddedEngine.generate`'s loop: after an engine step at which at most
+    tail_threshold of the slots are still decoding, one draft update runs before the next engine
+    step, so the sequences still decoding wait for it (on a device with idle compute in the tail
+    the update is cheap; on a saturated CPU it is a plain serial cost);
+  "between" - wherever the host calls `SpecCoTrainer.train_draft()`; `specrl.train_rl` calls it
+    after the policy update (so the draft trains on features of the update's own forward),
+    before the next rollout;
+  "interleaved" - inside the policy update, between its micro-steps: the trainer calls its
+    `microstep_hooks` after every optimizer micro-step but the last (GRPOTrainer does, when its
+    minibatch_size splits the batch), and the co-trainer runs an update there.
 - A unit of work is started only while budget remains and is told the seconds left; a unit that
   runs past them is the only possible overrun, and it is reported as `sched/overrun_s`.
 - Time spent is the larger of what the work reports and what the clock saw, so an asynchronous
   device (work queued, not finished) or a clock that misses device time cannot hide it.
+
+Mode "overlap" replaces the windows: one burst per RL step trains on its own thread (CPU) or
+CUDA stream (GPU) while the next step runs (specrl.overlap); only the step boundary's own work
+(waiting for a burst still running, starting the next, syncing weights) is charged here, to
+"between". Contention for the device is not visible to this accounting; measure it by timing
+steps with and without training (specrl.bench_overlap).
+
+Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
+tensors: the draft's parameters and gradients, the optimizer state, the feature buffer, and the
+activations of one update (measured per record by the online trainer). `fit_batch` shrinks an
+update's batch until it fits, or returns 0 and the update is skipped; both are reported.
 
 Errors: with `on_error` set, an exception in a unit of work is counted, its time accounted, and
 passed to on_error (which typically turns speculation off until the draft recovers); the RL
@@ -25,8 +44,10 @@ step goes on. Without it the exception propagates.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
+
+from specrl.draft_budget import DraftBudgetConfig
 
 WINDOWS = ("tail", "between", "interleaved")
 
@@ -40,6 +61,13 @@ class SchedulerConfig:
     memory_budget_bytes: int | None = 2**28  # None: no limit
     windows: tuple = ("tail", "between")  # enabled windows, a subset of WINDOWS
     ema: float = 0.3  # weight of the newest RL step in the step-time EMA
+    # how many updates a step may run (the cap is CoTrainConfig.max_draft_steps): "fixed" (the cap)
+    # or "acceptance" (more when acceptance falls or the policy moves); specrl.draft_budget
+    draft_steps: DraftBudgetConfig = field(default_factory=DraftBudgetConfig)
+    # "sequential": the windows above, on the RL loop's thread; "overlap": a burst per RL step runs on
+    # its own thread / CUDA stream while the next step runs, swapped in at the step boundary (specrl.overlap)
+    mode: str = "sequential"
+    overlap_threads: int = 1  # intra-op threads of the overlapped burst's thread (CPU)
 
     def __post_init__(self) -> None:
         if isinstance(self.windows, str):
@@ -56,6 +84,9 @@ class SchedulerConfig:
              f"memory_budget_bytes must be None or positive, got {self.memory_budget_bytes}"),
             (not bad, f"windows must be among {WINDOWS}, got {bad}"),
             (0.0 < self.ema <= 1.0, f"ema must be in (0, 1], got {self.ema}"),
+            (self.mode in ("sequential", "overlap"), f"mode must be 'sequential' or 'overlap', got {self.mode!r}"),
+            (isinstance(self.overlap_threads, int) and self.overlap_threads > 0,
+             f"overlap_threads must be a positive integer, got {self.overlap_threads!r}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -133,6 +164,12 @@ class DraftScheduler:
         self._spent[name] += spent
         return spent
 
+    def charge(self, name: str, seconds: float) -> None:
+        """Account draft time spent outside run_window (the overlapped mode's step boundary:
+        waiting for the burst, starting the next, syncing weights) to window `name`."""
+        self._ensure_step()
+        self._spent[name] += max(0.0, float(seconds))
+
     def end_step(self, step_wall_s: float | None = None) -> dict:
         """Close the RL step (wall time measured by the caller, or by the clock since
         begin_step) and report where the draft time went."""
@@ -154,9 +191,20 @@ class DraftScheduler:
 
     # -- memory ------------------------------------------------------------------------------
     def memory_ok(self, bytes_in_use: int) -> bool:
-        """Whether the draft side's memory (buffer, optimizer, activations) fits its budget."""
+        """Whether `bytes_in_use` of draft-side memory fits the budget."""
         limit = self.config.memory_budget_bytes
         return limit is None or bytes_in_use <= limit
+
+    def fit_batch(self, fixed_bytes: int, per_record_bytes: float, batch_size: int) -> int:
+        """The largest batch <= batch_size whose update fits the memory budget, 0 if none does:
+        fixed_bytes (parameters, gradients, optimizer state, buffer) plus per_record_bytes of
+        activations per record."""
+        limit = self.config.memory_budget_bytes
+        if limit is None or fixed_bytes + per_record_bytes * batch_size <= limit:
+            return batch_size
+        if fixed_bytes >= limit or per_record_bytes <= 0:
+            return 0
+        return max(0, min(batch_size, int((limit - fixed_bytes) // per_record_bytes)))
 
     # -- checkpointing -----------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -127,6 +127,9 @@ class GRPOTrainer:
         self.step_count = 0
         self.logprob_hooks: list[Callable[[torch.Tensor, ModelOutput, torch.Tensor], None]] = []
         self.tap_layers: tuple[int, ...] = ()  # set by whoever registers a feature hook
+        # called as hook(done, total) after every optimizer micro-step but the last: a window for
+        # co-located work inside the update (specrl's "interleaved" draft training)
+        self.microstep_hooks: list[Callable[[int, int], None]] = []
 
     @property
     def unwrapped(self) -> MoETransformer:
@@ -175,6 +178,7 @@ class GRPOTrainer:
                                                for lo in range(0, B, mb)])
         sums: dict[str, float] = {}
         n_updates = 0
+        total_updates = cfg.ppo_epochs * -(-B // mb)
         self.model.train()
         for epoch in range(cfg.ppo_epochs):
             for lo in range(0, B, mb):
@@ -201,6 +205,9 @@ class GRPOTrainer:
                 for k, v in m.items():
                     sums[k] = sums.get(k, 0.0) + v
                 n_updates += 1
+                if n_updates < total_updates:
+                    for hook in self.microstep_hooks:
+                        hook(n_updates, total_updates)
         self.model.eval()
         self.step_count += 1
         metrics = {k: v / n_updates for k, v in sums.items()}

@@ -40,10 +40,21 @@ def test_drift_outputs(drift_runs):
     preset = get_drift_preset("ci")
     steps = sorted({r["step"] for r in rows})
     assert steps == list(range(0, preset.rl.rl_steps + 1, preset.eval_every))
-    for step in steps:  # every point has plain, frozen and online; the reference comes at the end
-        arms = {r["arm"] for r in rows if r["step"] == step}
-        assert {"plain", "frozen", "online"} <= arms
-    assert {r["arm"] for r in rows if r["step"] == steps[-1]} == {"plain", "frozen", "online", "reference"}
+    assert preset.reference_every == 1
+    ratios = []
+    for step in steps:  # every point has the four arms (reference_every=1) and the online/reference ratio
+        pts = {r["arm"]: r for r in rows if r["step"] == step}
+        assert set(pts) == {"plain", "frozen", "online", "reference"}
+        ratio = pts["online"]["online_over_reference"]
+        assert ratio == pts["online"]["accept_length"] / pts["reference"]["accept_length"]
+        ratios.append(ratio)
+    assert ratios[0] == 1.0  # step 0: online and reference are both the starting draft
+    assert summary["online_over_reference_min"] == min(ratios)
+    assert summary["reference_steps"] == steps
+    assert 0.0 <= summary["draft_added_fraction"] < 10.0
+    added = sum(r["perf/draft_train_s"] + r["perf/feature_capture_s"] for r in
+                [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()])
+    assert added > 0
     # one row per RL step in the RL run's own log, with the co-training metrics
     rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rl_rows] == list(range(preset.rl.rl_steps))
@@ -69,6 +80,8 @@ def test_drift_refuses_existing_output_and_bad_preset(drift_runs, tmp_path, caps
         run_drift("ci", root / "a", progress=False)
     assert main(["drift", "--preset", "huge", "--out", str(tmp_path / "x")]) == 2
     assert "unknown drift preset" in capsys.readouterr().err
+    assert main(["drift", "--preset", "ci", "--reference-every", "-1", "--out", str(tmp_path / "y")]) == 2
+    assert "reference_every" in capsys.readouterr().err and not (tmp_path / "y").exists()
 
 
 def test_analysis_notebook_executes(drift_runs, tmp_path):
@@ -103,3 +116,8 @@ def test_speed_sweep(sft_policy, tmp_path):
         assert r["bound"] == pytest.approx(r["accept_length"] / (r["verify_cost"] + r["gamma"] * r["c"]), rel=1e-3)
     for name in ("speedup_vs_gamma.png", "speedup_vs_tree_budget.png", "speedup_vs_batch.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_full_preset_tracks_the_reference_at_every_point():
+    assert get_drift_preset("full").reference_every == 1
+    assert get_drift_preset("quick").reference_every == 0  # the quick preset: at the end (the CLI flag adds points)

@@ -178,3 +178,13 @@ def test_report_keys():
                 "sched/budget_s", "sched/overrun_s"):
         assert key in r
     assert {f"perf/draft_train_{w}_s" for w in WINDOWS} <= set(r)
+
+
+def test_fit_batch_shrinks_then_skips():
+    s = DraftScheduler(SchedulerConfig(memory_budget_bytes=1000))
+    assert s.fit_batch(400, 50.0, 8) == 8  # 400 + 8 * 50 = 800 fits
+    assert s.fit_batch(600, 50.0, 16) == 8  # 600 + 16 * 50 does not: the largest batch that fits
+    assert s.fit_batch(990, 50.0, 16) == 0  # not even one record
+    assert s.fit_batch(1000, 0.0, 16) == 16  # exactly at the limit with nothing per record
+    assert s.fit_batch(1200, 0.0, 16) == 0  # the resident part alone is over
+    assert DraftScheduler(SchedulerConfig(memory_budget_bytes=None)).fit_batch(2**40, 2**30, 16) == 16

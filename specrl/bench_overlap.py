@@ -1,0 +1,116 @@
+"""What online draft training adds to the RL step, sequential versus overlapped (prints and saves JSON).
+
+The co-training is the drift runs' (presets.DRIFT_COTRAIN: one update of 12 sequences per RL
+step, features from the trainer's forward) on the chosen preset's model, task and RL sizes.
+
+Three copies of one RL run take turns step by step (so a slow spell of a shared machine hits
+them alike): "none" speculates with the starting draft and trains nothing (CoTrainConfig mode
+"frozen"); "sequential" and "overlap" co-train online in the two scheduler modes. All three
+decode the same tokens (speculation is lossless) and apply the same policy updates, so the RL
+work is the same. To keep the speculation the same too, the online copies do not hot-swap
+their draft into the engine in this benchmark (a patched `load_draft_weights`): every copy
+decodes with the starting draft, and the only difference left is the draft training itself.
+
+added_fraction[mode] = mean step time of mode / mean step time of "none" - 1, over the same steps.
+For "overlap" the JSON also gives the burst time that ran under RL work (`perf/draft_overlap_s`)
+and the step boundary's wait for a burst still running (`perf/draft_wait_s`).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from specrl.bench import machine_info
+from specrl.cotrain import SpecCoTrainer
+from specrl.drafts import cached_offline_draft
+from specrl.presets import DRIFT_COTRAIN, RunPreset, get_preset
+from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
+from target_training.grpo import GRPOTrainer
+
+MODES = ("none", "sequential", "overlap")
+
+
+def _arm(mode: str, policy, draft, preset: RunPreset, seed: int):
+    policy = copy.deepcopy(policy)
+    draft = copy.deepcopy(draft)
+    draft.set_target_embedding(policy.embed_tokens)
+    cfg = DRIFT_COTRAIN  # the drift runs' co-training, whose cost the README reports
+    if mode == "none":
+        cfg = dataclasses.replace(cfg, mode="frozen", seed=seed)
+    else:
+        cfg = dataclasses.replace(cfg, mode="online", seed=seed,
+                                  scheduler=dataclasses.replace(cfg.scheduler, mode=mode))
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
+    trainer = GRPOTrainer(policy, preset.grpo)
+    cot = SpecCoTrainer(draft, cfg).attach(engine, trainer)
+    if mode != "none":  # same speculation in every arm: the engine keeps the starting draft
+        cot.speculator.load_draft_weights = lambda weights, version: setattr(cot.speculator, "version", version)
+    return {"policy": policy, "engine": engine, "trainer": trainer, "cot": cot, "steps": []}
+
+
+def _rl_step(arm, task, tokenizer, pool, preset: RunPreset, seed: int, step: int) -> dict:
+    cot, engine, trainer = arm["cot"], arm["engine"], arm["trainer"]
+    t0 = time.perf_counter()
+    cot.begin_step()
+    examples = step_examples(task, pool, preset, seed, step)
+    ids = [step * len(examples) + i for i in range(len(examples))]
+    trajs = engine.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed), request_ids=ids)
+    cot.on_rollout(trajs)
+    metrics = trainer.step(trajs, score(task, tokenizer, examples, trajs), preset.group_size)
+    cot.on_policy_update()
+    cot.train_draft()
+    row = cot.end_step()
+    return {"step_s": time.perf_counter() - t0, "loss": metrics["loss"],
+            "tokens": sum(len(t.token_ids) for t in trajs),
+            **{k: row.get(k) for k in ("perf/draft_train_s", "perf/draft_overlap_s", "perf/draft_wait_s",
+                                       "train/draft_steps", "perf/feature_capture_s")}}
+
+
+def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, warmup: int = 2, seed: int = 0,
+                  cache_dir=None, log=print) -> dict:
+    if steps <= 0 or warmup < 0:
+        raise ValueError(f"bench overlap needs steps > 0 and warmup >= 0, got {steps}, {warmup}")
+    preset = get_preset(preset_name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir, log)
+    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
+    from target_training.sft import default_cache_dir
+
+    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,),
+                                    Path(cache_dir) if cache_dir else default_cache_dir(), log=log)
+    pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
+    torch.manual_seed(seed)
+    arms = {m: _arm(m, policy, draft, preset, seed) for m in MODES}
+    for step in range(warmup + steps):
+        for mode in MODES:  # turns within each step
+            arms[mode]["steps"].append(_rl_step(arms[mode], task, tokenizer, pool, preset, seed, step))
+    for arm in arms.values():
+        arm["cot"].state_dict()  # waits for a burst still in flight
+    losses = {m: [r["loss"] for r in a["steps"]] for m, a in arms.items()}
+    if not (losses["none"] == losses["sequential"] == losses["overlap"]):
+        raise RuntimeError("the arms' policy updates differ: the benchmark would compare different work")
+    timed = {m: a["steps"][warmup:] for m, a in arms.items()}
+    mean = {m: sum(r["step_s"] for r in rows) / len(rows) for m, rows in timed.items()}
+    result = {
+        "preset": preset_name, "steps": steps, "warmup": warmup,
+        "step_s_mean": mean,
+        "added_fraction": {m: mean[m] / mean["none"] - 1.0 for m in ("sequential", "overlap")},
+        "sequential_draft_train_s_mean": sum(r["perf/draft_train_s"] for r in timed["sequential"]) / steps,
+        "overlap_hidden_s_mean": sum(r["perf/draft_overlap_s"] for r in timed["overlap"]) / steps,
+        "overlap_wait_s_mean": sum(r["perf/draft_wait_s"] for r in timed["overlap"]) / steps,
+        "draft_steps_per_rl_step": {m: sum(r["train/draft_steps"] or 0 for r in timed[m]) / steps
+                                    for m in ("sequential", "overlap")},
+        "per_step": {m: [r["step_s"] for r in rows] for m, rows in timed.items()},
+        "machine": machine_info(),
+    }
+    (out / "bench_overlap.json").write_text(json.dumps(result, indent=1))
+    log(json.dumps({k: result[k] for k in ("step_s_mean", "added_fraction", "sequential_draft_train_s_mean",
+                                           "overlap_hidden_s_mean", "overlap_wait_s_mean")}, indent=1))
+    return result

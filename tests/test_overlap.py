@@ -1,0 +1,127 @@
+"""Overlapped draft training (specrl.overlap): the burst runs on its own thread on a snapshot of
+the buffer and of the target embedding, the engine's draft is swapped only at a step boundary,
+and the trained weights equal the sequential mode's on the same batches."""
+import copy
+
+import pytest
+import torch
+
+from rollout.speculative import SpecConfig
+from specrl.cotrain import CoTrainConfig, SpecCoTrainer
+from specrl.drafts import DraftTrainConfig, new_draft
+from specrl.online_trainer import OnlineDraftConfig
+from specrl.scheduler import SchedulerConfig
+
+
+def _fill(cot, model, n=12, T=16, seed=0, version=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (n, T), generator=g)
+    with torch.no_grad():
+        out = model(ids, tap_layers=model.cfg.feature_layer_ids)
+    mask = torch.zeros(n, T, dtype=torch.bool)
+    mask[:, T // 2:] = True
+    cot.buffer.add_from_trainer_forward(ids, out.features(model.cfg.feature_layer_ids), out.logits, mask,
+                                        cot.draft.d2t, version)
+
+
+def _pair(model):
+    """Two co-trainers on the same model, draft and data: sequential and overlapped."""
+    draft = new_draft(model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
+    out = []
+    for mode in ("sequential", "overlap"):
+        cfg = CoTrainConfig(mode="online", spec=SpecConfig(gamma=3), min_buffer_records=1, max_draft_steps=3,
+                            online=OnlineDraftConfig(batch_size=4),
+                            scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=600.0, windows=("between",),
+                                                      mode=mode))
+        cot = SpecCoTrainer(copy.deepcopy(draft), cfg)
+        cot.draft.set_target_embedding(model.embed_tokens)
+        cot.speculator.draft.set_target_embedding(model.embed_tokens)
+        _fill(cot, model)
+        out.append(cot)
+    return out
+
+
+def _weights(draft):
+    return {k: v.clone() for k, v in draft.state_dict().items()}
+
+
+def _same(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_overlapped_burst_equals_sequential_and_swaps_at_the_boundary(tiny_model, one_thread):
+    model = copy.deepcopy(tiny_model)
+    seq, ovl = _pair(model)
+    start = _weights(ovl.speculator.draft)
+    emb = model.embed_tokens.weight.detach().clone()
+
+    seq.begin_step()
+    m_seq = seq.train_draft()  # trains 3 updates now and swaps them in
+    seq_trained = _weights(seq.draft)
+
+    ovl.begin_step()
+    m = ovl.train_draft()  # starts the burst and returns at once
+    assert ovl._overlap.busy and m["train/draft_steps"] == 0
+    with torch.no_grad():
+        model.embed_tokens.weight.add_(1.0)  # the policy update rewrites the embedding meanwhile
+    ovl._overlap._thread.join()
+    assert _same(_weights(ovl.speculator.draft), start)  # the engine's copy is untouched by the burst
+    ovl.end_step()
+
+    ovl.begin_step()
+    m = ovl.train_draft()  # the boundary: collect, swap, start the next burst
+    assert m["train/draft_steps"] == 3 and m_seq["train/draft_steps"] == 3
+    assert m["perf/draft_overlap_s"] > 0 and m["perf/draft_wait_s"] >= 0
+    ovl._overlap._thread.join()
+    # the burst trained on the embedding as it was at its start: exactly the sequential result
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(emb)
+    assert _same(_weights(ovl.speculator.draft), seq_trained)
+    assert ovl.speculator.version == 3
+    assert ovl.draft.embed_tokens is not model.embed_tokens  # the next burst reads its snapshot
+    ovl.state_dict()  # collects it
+    assert ovl.draft.embed_tokens is model.embed_tokens  # back on the live embedding
+    ovl.end_step()
+
+
+def test_a_failing_burst_is_counted_and_the_run_goes_on(tiny_model, one_thread):
+    _, ovl = _pair(copy.deepcopy(tiny_model))
+
+    def boom(*a, **k):
+        raise MemoryError("OOM in the burst (simulated)")
+
+    real = ovl.draft_trainer.train_for
+    ovl.draft_trainer.train_for = boom
+    ovl.begin_step()
+    ovl.train_draft()
+    ovl.end_step()
+    ovl.draft_trainer.train_for = real
+    ovl.begin_step()
+    with pytest.warns(RuntimeWarning, match="OOM in the burst"):
+        m = ovl.train_draft()
+    assert m["train/draft_faults"] == 1 and m["train/draft_steps"] == 0
+    assert ovl.draft.embed_tokens is not None and ovl._overlap.busy  # the next burst started
+    sd = ovl.state_dict()  # waits for the burst: a consistent trainer state
+    assert not ovl._overlap.busy and sd["draft_trainer"]["version"] == 3
+
+
+def test_overlap_needs_a_valid_mode():
+    with pytest.raises(ValueError, match="SchedulerConfig.mode"):
+        SchedulerConfig(mode="parallel")
+    with pytest.raises(ValueError, match="overlap_threads"):
+        SchedulerConfig(mode="overlap", overlap_threads=0)
+
+
+def test_bench_overlap_runs_and_saves_json(sft_policy, tmp_path):
+    """The benchmark's machinery on the CI preset (one timed step; its timings mean nothing here)."""
+    import json
+
+    from specrl.bench_overlap import bench_overlap
+
+    cache = sft_policy[3]
+    r = bench_overlap("arith", "ci", tmp_path, steps=1, warmup=1, cache_dir=cache, log=lambda *a: None)
+    assert json.loads((tmp_path / "bench_overlap.json").read_text()) == r
+    assert set(r["step_s_mean"]) == {"none", "sequential", "overlap"}
+    assert r["draft_steps_per_rl_step"]["sequential"] == 1  # DRIFT_COTRAIN: one update per step
+    assert r["draft_steps_per_rl_step"]["overlap"] == 1  # the burst started at step 0, collected at step 1
+    assert r["overlap_hidden_s_mean"] > 0
