@@ -11,21 +11,25 @@
         cotrain.train_draft()                 # idle window between steps; hot-swaps fresh weights
         log(cotrain.metrics())
 
+The core drives the engine only through rollout.protocol.DraftReceiver (install a draft, push
+fresh weights with a version, read acceptance from Trajectory.spec) and takes features from a
+rollout.protocol.FeatureSource (the trainer's log-prob forward) or from an engine that captures
+them; so the embedded engine and vLLM plug in the same way.
+
 Modes: "off" attaches nothing (the host loop runs exactly as without specrl), "frozen"
 speculates with the starting draft, "online" also trains it. Every draft-side failure is
 caught, logged and counted: speculation falls back to plain decoding; the RL run goes on.
 """
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from rollout.protocol import summarize_spec_stats
-from rollout.speculative import SpecConfig, Speculator
+from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
+from rollout.speculative import SpecConfig
 from specrl.buffer import FeatureBuffer
 from specrl.controller import ControllerConfig, SpeculationController
 from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
@@ -65,7 +69,7 @@ class SpecCoTrainer:
         self.policy_version = 0
         self.engine = None
         self.trainer = None
-        self.speculator = None
+        self.controller = None
         self.draft_trainer = None
         self.faults = 0
         self._step_metrics: dict = {}
@@ -76,10 +80,8 @@ class SpecCoTrainer:
         self._capture_s0 = 0.0
         if cfg.mode == "off":
             return
-        # the engine speculates with its own copy; the trainer's copy is swapped in when it improves
-        self.speculator = Speculator(copy.deepcopy(draft), cfg.spec)
-        if cfg.adaptive:
-            self.speculator.controller = SpeculationController(cfg.controller)
+        # the engine speculates with its own copy; the trainer's copy is pushed when it improves
+        self.controller = SpeculationController(cfg.controller) if cfg.adaptive else None
         self.draft = draft
         self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed)
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
@@ -89,22 +91,35 @@ class SpecCoTrainer:
 
     # -- wiring ---------------------------------------------------------------------------
     def attach(self, engine, trainer=None) -> "SpecCoTrainer":
-        """Speculate in `engine`; with an online draft and a trainer, capture features in the
-        trainer's log-prob forward (no extra forward) and train in the rollout's long tail."""
+        """Speculate in `engine` (a DraftReceiver); with an online draft and a trainer (a
+        FeatureSource), capture features in the trainer's log-prob forward (no extra forward) and,
+        where the engine has idle windows, train in the rollout's long tail."""
         self.engine, self.trainer = engine, trainer
         if self.config.mode == "off":
             return self
-        self.speculator.check_target(engine.model)
-        engine.speculator = self.speculator
-        if self.draft_trainer is not None:
-            if trainer is not None and self.config.feature_source in ("trainer", "both"):
-                layer_ids = tuple(engine.model.cfg.feature_layer_ids)
-                trainer.tap_layers = layer_ids
-                trainer.logprob_hooks.append(
-                    self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version))
-            if "tail" in self.config.scheduler.windows:
-                engine.step_hooks.append(self._tail_hook)
+        if not isinstance(engine, DraftReceiver):
+            raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
+        engine.install_draft(self.draft, self.config.spec, controller=self.controller)
+        if self.draft_trainer is None:
+            return self
+        source = self.config.feature_source
+        if source in ("engine", "both") and not getattr(engine, "captures_features", False):
+            raise ValueError(f"feature_source={source!r}: {type(engine).__name__} does not capture features; "
+                             f"use feature_source='trainer'")
+        if trainer is not None and source in ("trainer", "both"):
+            if not isinstance(trainer, FeatureSource):
+                raise TypeError(f"{type(trainer).__name__} is not a rollout.protocol.FeatureSource")
+            layer_ids = tuple(self.draft.cfg.aux_layer_ids)  # = the policy's taps (install_draft checks)
+            trainer.add_feature_hook(layer_ids, self.buffer.logprob_hook(layer_ids, self.draft.d2t,
+                                                                         lambda: self.policy_version))
+        if "tail" in self.config.scheduler.windows and isinstance(engine, IdleWindows):
+            engine.step_hooks.append(self._tail_hook)
         return self
+
+    @property
+    def speculator(self):
+        """The embedded engine's Speculator (tests and experiments that inspect its draft)."""
+        return getattr(self.engine, "speculator", None) if self.enabled else None
 
     @property
     def enabled(self) -> bool:
@@ -136,7 +151,7 @@ class SpecCoTrainer:
             "rollout/spec_accept_rate": agg["accept_rate"],
             "rollout/spec_verify_steps": agg["verify_steps"],
             "rollout/spec_accept_rate_per_pos": agg["accept_rate_per_pos"],
-            "rollout/spec_faults": len(self.speculator.faults),
+            "rollout/spec_faults": len(self.engine.draft_faults),
         }
         if self.capture_engine_features:
             self.buffer.add_trajectories(trajectories, self.policy_version)
@@ -214,9 +229,12 @@ class SpecCoTrainer:
             self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
         if self.draft_trainer.version != before:
             t_sync = time.perf_counter()
-            self.speculator.load_draft_weights(self.draft_trainer.export_weights(), self.draft_trainer.version)
-            if self.speculator.controller is not None:
-                self.speculator.controller.reset_acceptance()
+            try:
+                self.engine.push_draft(self.draft_trainer.export_weights(), self.draft_trainer.version)
+            except Exception as err:  # the engine keeps its previous draft; speculation stays lossless
+                self._on_draft_error(err)
+            if self.controller is not None:
+                self.controller.reset_acceptance()
             self._sync_s += time.perf_counter() - t_sync
         return time.perf_counter() - t0
 
@@ -228,12 +246,12 @@ class SpecCoTrainer:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {"mode": "off"}
+        engine_draft, engine_version = self.engine.draft_weights()
         return {"mode": self.config.mode, "policy_version": self.policy_version,
-                "engine_draft": {k: v.clone() for k, v in self.speculator.draft.state_dict().items()},
-                "engine_draft_version": self.speculator.version,
+                "engine_draft": engine_draft, "engine_draft_version": engine_version,
                 "draft_trainer": self.draft_trainer.state_dict() if self.draft_trainer is not None else None,
                 "buffer": self.buffer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "controller": self.speculator.controller.state_dict() if self.speculator.controller else None,
+                "controller": self.controller.state_dict() if self.controller is not None else None,
                 "generator": self.generator.get_state(), "faults": self.faults}
 
     def load_state_dict(self, state: dict) -> None:
@@ -242,13 +260,12 @@ class SpecCoTrainer:
         if not self.enabled:
             return
         self.policy_version = state["policy_version"]
-        self.speculator.draft.load_state_dict(state["engine_draft"])
-        self.speculator.version = state["engine_draft_version"]
+        self.engine.push_draft(state["engine_draft"], state["engine_draft_version"])
         if self.draft_trainer is not None:
             self.draft_trainer.load_state_dict(state["draft_trainer"])
         self.buffer.load_state_dict(state["buffer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.speculator.controller is not None and state["controller"] is not None:
-            self.speculator.controller.load_state_dict(state["controller"])
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
         self.generator.set_state(state["generator"])
         self.faults = state["faults"]
