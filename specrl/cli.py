@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--spec", default="off", choices=["off", "frozen", "online"],
                    help="speculative rollouts: off, with the offline draft frozen, or co-trained online")
+    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                   help="rollout engine: specrl's embedded PyTorch engine, or vLLM (installed separately)")
 
     p = sub.add_parser("train-draft", help="train the starting EAGLE-3 draft offline on a policy's rollouts")
     _add_common(p)
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.steps is not None and args.steps <= 0:
             raise ValueError(f"--steps must be positive, got {args.steps}")
         return train_rl(args.task, args.preset, args.out, seed=args.seed, resume=args.resume, steps=args.steps,
-                        cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec)
+                        cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec,
+                        engine=args.engine)
     if args.command == "train-draft":
         from specrl.drafts import train_draft_command
 
