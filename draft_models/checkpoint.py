@@ -2,7 +2,11 @@
 
   out_dir/config.json          Eagle3Config.to_sglang_config()
   out_dir/model.safetensors    fc.weight, midlayer.*, norm.weight, lm_head.weight, d2t, t2d
-                               (no embedding: the draft reads the target's)
+                               (no embedding: the draft reads the target's; no d2t/t2d when
+                               the draft vocabulary is the whole target vocabulary)
+
+The same folder loads in SGLang and in vLLM and feeds the draft the same target hidden states
+in both (see Eagle3Config.to_sglang_config for the two tap-id conventions).
 
   out_dir/manifest.json        SHA-256 and size of both files (an extra file the engines ignore;
                                drafts from other trainers without one still load)
@@ -52,6 +56,23 @@ def draft_state_dict_for_sglang(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     return {name: t.detach().contiguous() for name, t in sd.items() if name not in _EMBEDDING_KEYS}
 
 
+def has_identity_vocab(draft: Eagle3Draft) -> bool:
+    """True when the draft predicts over the whole target vocabulary in the target's order."""
+    return draft.cfg.draft_vocab_size == draft.cfg.vocab_size and not bool(draft.d2t.any())
+
+
+def draft_tensors_for_export(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
+    """What the folder holds: the SGLang-named tensors, without `d2t`/`t2d` when the vocabulary
+    is the identity. vLLM creates its `draft_id_to_target_id` only when the draft vocabulary is
+    smaller than the target's and refuses a `d2t` it has no place for; SGLang treats a missing
+    `d2t` as the full vocabulary, and `load_draft` fills the identity back in."""
+    tensors = draft_state_dict_for_sglang(draft)
+    if has_identity_vocab(draft):
+        tensors.pop("d2t")
+        tensors.pop("t2d")
+    return tensors
+
+
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 
@@ -60,7 +81,7 @@ def save_draft(draft: Eagle3Draft, out_dir: str | os.PathLike) -> Path:
     """Write the SGLang EAGLE-3 folder to out_dir (replaced atomically if it exists)."""
     out = Path(out_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.cpu() for k, v in draft_state_dict_for_sglang(draft).items()}
+    tensors = {k: v.cpu() for k, v in draft_tensors_for_export(draft).items()}
     cfg = draft.cfg.to_sglang_config(torch_dtype=_dtype_name(draft.fc.weight.dtype))
     tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp = out.parent / f".{out.name}.tmp-{tag}"
@@ -151,6 +172,8 @@ def load_draft(path: str | os.PathLike, target_model, device=None, dtype=None) -
                                    f"(hidden_size, 3 * target hidden_size) = {want_fc}")
     draft = Eagle3Draft(cfg, target_model.embed_tokens)
     expected = draft.state_dict()
+    if cfg.draft_vocab_size == cfg.vocab_size and "d2t" not in tensors and "t2d" not in tensors:
+        tensors["d2t"], tensors["t2d"] = expected["d2t"].clone(), expected["t2d"].clone()  # identity (see export)
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     if missing:

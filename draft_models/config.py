@@ -89,7 +89,12 @@ class Eagle3Config:
         }
         for ours, theirs in _SGLANG_KEYS.items():
             d[theirs] = getattr(self, ours)
+        # The two engines read the tap ids differently: SGLang reads `eagle_config.<key>` as
+        # "the output of layer i" (it adds 1 internally), vLLM reads the top-level key first, as
+        # "the hidden state after i layers" (0 = the embedding). Writing each engine's own key in
+        # its own convention makes both feed the draft the same three hidden states, ours.
         d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        d["eagle_aux_hidden_state_layer_ids"] = list(self.vllm_aux_layer_ids)
         # Not read by SGLang; kept so that our training settings survive a round trip.
         d["specrl"] = {"ttt_steps": self.ttt_steps, "ttt_decay": self.ttt_decay}
         return d
@@ -126,6 +131,16 @@ class Eagle3Config:
             if k in kw:
                 kw[k] = float(kw[k])
         aux = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        after = d.get("eagle_aux_hidden_state_layer_ids")  # vLLM's "after i layers" convention
+        if after is not None:
+            if not isinstance(after, list) or not all(isinstance(i, int) for i in after):
+                raise Eagle3ConfigError(f"draft config eagle_aux_hidden_state_layer_ids must be a list of "
+                                        f"integers, got {after!r}")
+            from_after = [i - 1 for i in after]
+            if aux is not None and list(aux) != from_after:
+                raise Eagle3ConfigError(f"draft config names two different tap layers: eagle_config ids {list(aux)} "
+                                        f"(output of layer i) vs top-level {after} (after i layers)")
+            aux = from_after
         if aux is None:
             aux = default_aux_layer_ids
         if aux is None:
@@ -142,6 +157,22 @@ class Eagle3Config:
             return cls(**kw)
         except TypeError as e:  # a value of the wrong JSON type
             raise Eagle3ConfigError(f"draft config has a bad value: {e}") from None
+
+    @property
+    def vllm_aux_layer_ids(self) -> tuple[int, ...]:
+        """The tap ids in vLLM's convention: hidden state after i layers = output of layer i - 1."""
+        return tuple(i + 1 for i in self.aux_layer_ids)
+
+    def engine_tap_problem(self) -> str | None:
+        """Why vLLM and SGLang cannot feed this draft its three features, or None.
+
+        Both engines keep the tap layers as a sorted set, so three distinct increasing ids are
+        needed for them to concatenate the same (low, mid, high) features as specrl does."""
+        ids = list(self.aux_layer_ids)
+        if not ids[0] < ids[1] < ids[2]:
+            return (f"aux_layer_ids {tuple(ids)} must be 3 distinct increasing layers for vLLM/SGLang "
+                    f"(they capture a sorted set of layers)")
+        return None
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -13,6 +13,7 @@ request's output does not depend on which slot or batch it ran in.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -99,9 +100,30 @@ class EmbeddedEngine:
         return self.model.embed_tokens.weight.device
 
     # -- protocol -------------------------------------------------------------------------
+    captures_features = True  # generate(capture_features=True) fills Trajectory.features
+
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
         self.model.load_state_dict(state_dict, strict=True)
+
+    # -- DraftReceiver (rollout.protocol) --------------------------------------------------
+    def install_draft(self, draft, spec, controller=None) -> None:
+        from rollout.speculative import Speculator
+
+        speculator = Speculator(copy.deepcopy(draft), spec)
+        speculator.controller = controller
+        speculator.check_target(self.model)
+        self.speculator = speculator
+
+    def push_draft(self, weights: dict, version: int) -> None:
+        self.speculator.load_draft_weights(weights, version)
+
+    def draft_weights(self) -> tuple[dict, int]:
+        return {k: v.clone() for k, v in self.speculator.draft.state_dict().items()}, self.speculator.version
+
+    @property
+    def draft_faults(self) -> list[str]:
+        return self.speculator.faults if self.speculator is not None else []
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,

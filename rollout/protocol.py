@@ -1,13 +1,23 @@
-"""The contract every rollout engine implements (embedded PyTorch, speculative, SGLang).
+"""The contracts between engines, trainers and the co-training core.
 
 An RL loop only ever sees `RolloutEngine.generate` and `Trajectory`; that is what lets the
-speculative engine and the SGLang backend drop in without the trainer noticing.
+speculative engine, vLLM and the SGLang backend drop in without the trainer noticing.
+
+The co-training core (specrl.cotrain.SpecCoTrainer) needs two more things, and only these:
+- a `DraftReceiver`: an engine that speculates with the draft it is given, takes fresh draft
+  weights with a version, and reports acceptance per request in `Trajectory.spec`;
+- a `FeatureSource`: something that computes the policy's hidden states anyway and hands the
+  fused EAGLE-3 features over: the policy trainer's own log-prob forward (every RL pipeline has
+  one), or an engine whose `generate(capture_features=True)` fills `Trajectory.features`
+  (its `captures_features` is True).
+An engine that also calls `step_hooks` after every step (`IdleWindows`) lends the rollout's
+long tail to draft training.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -119,3 +129,41 @@ class RolloutEngine(Protocol):
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync after a trainer step. Never touches draft weights."""
+
+
+@runtime_checkable
+class DraftReceiver(Protocol):
+    """An engine the co-training core can speculate through (embedded, vLLM, SGLang)."""
+
+    def install_draft(self, draft, spec, controller=None) -> None:
+        """Speculate with `draft` (an Eagle3Draft; the engine keeps its own copy) under `spec`
+        (rollout.speculative.SpecConfig) from the next generate() on. `controller` (optional)
+        picks plain or speculative decoding per step where the engine supports it. A draft that
+        does not fit the policy raises ValueError with a one-line message."""
+
+    def push_draft(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        """Hot swap: fresh draft weights (SGLang names, no embedding) loaded in place. Never
+        touches the policy; speculation stays lossless whatever the draft."""
+
+    def draft_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The draft weights the engine speculates with now (SGLang names) and their version."""
+
+    @property
+    def draft_faults(self) -> list[str]:
+        """One line per draft-side failure the engine absorbed by falling back to plain decoding."""
+
+
+@runtime_checkable
+class FeatureSource(Protocol):
+    """A forward over whole sequences (the trainer's log-prob pass) that can tap the policy."""
+
+    def add_feature_hook(self, layer_ids: tuple[int, ...], hook: Callable) -> None:
+        """Tap `layer_ids` in every later log-prob forward and call hook(input_ids, output,
+        response_mask) with its output (target_training.model.ModelOutput)."""
+
+
+@runtime_checkable
+class IdleWindows(Protocol):
+    """An engine that calls hook(n_active, n_slots) after every step (the rollout's long tail)."""
+
+    step_hooks: list

@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--spec", default="off", choices=["off", "frozen", "online"],
                    help="speculative rollouts: off, with the offline draft frozen, or co-trained online")
+    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                   help="rollout engine: specrl's embedded PyTorch engine, or vLLM (installed separately)")
 
     p = sub.add_parser("train-draft", help="train the starting EAGLE-3 draft offline on a policy's rollouts")
     _add_common(p)
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.steps is not None and not 0 < args.steps <= MAX_RL_STEPS:
             raise ValueError(f"--steps must be in [1, {MAX_RL_STEPS}], got {args.steps}")
         return train_rl(args.task, args.preset, args.out, seed=args.seed, resume=args.resume, steps=args.steps,
-                        cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec)
+                        cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec,
+                        engine=args.engine)
     if args.command == "train-draft":
         from specrl.drafts import train_draft_command
 

@@ -11,21 +11,25 @@
         cotrain.train_draft()                 # draft updates (or, overlapped, the step boundary); hot swap
         log(cotrain.metrics())
 
+The core drives the engine only through rollout.protocol.DraftReceiver (install a draft, push
+fresh weights with a version, read acceptance from Trajectory.spec) and takes features from a
+rollout.protocol.FeatureSource (the trainer's log-prob forward) or from an engine that captures
+them; so the embedded engine and vLLM plug in the same way.
+
 Modes: "off" attaches nothing (the host loop runs exactly as without specrl), "frozen"
 speculates with the starting draft, "online" also trains it. Every draft-side failure is
 caught, logged and counted: speculation falls back to plain decoding; the RL run goes on.
 """
 from __future__ import annotations
 
-import copy
 import time
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from rollout.protocol import summarize_spec_stats
-from rollout.speculative import SpecConfig, Speculator
+from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
+from rollout.speculative import SpecConfig
 from specrl.buffer import FeatureBuffer
 from specrl.controller import ControllerConfig, SpeculationController
 from specrl.draft_budget import DraftBudget
@@ -67,10 +71,11 @@ class SpecCoTrainer:
         self.policy_version = 0
         self.engine = None
         self.trainer = None
-        self.speculator = None
+        self.controller = None
         self.draft_trainer = None
         self.faults = 0
-        self._faults_seen = 0  # speculator faults already reported by on_rollout
+        self._faults_seen = 0  # engine draft faults already reported by on_rollout
+        self._engine_version = 0  # version of the draft the engine speculates with
         self._step_metrics: dict = {}
         self._rollout_metrics: dict = {}
         self._train_metrics: list[dict] = []  # draft-training results of the current RL step
@@ -79,10 +84,8 @@ class SpecCoTrainer:
         self._capture_s0 = 0.0
         if cfg.mode == "off":
             return
-        # the engine speculates with its own copy; the trainer's copy is swapped in when it improves
-        self.speculator = Speculator(copy.deepcopy(draft), cfg.spec)
-        if cfg.adaptive:
-            self.speculator.controller = SpeculationController(cfg.controller)
+        # the engine speculates with its own copy; the trainer's copy is pushed when it improves
+        self.controller = SpeculationController(cfg.controller) if cfg.adaptive else None
         self.draft = draft
         self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed)
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
@@ -100,28 +103,41 @@ class SpecCoTrainer:
 
     # -- wiring ---------------------------------------------------------------------------
     def attach(self, engine, trainer=None) -> "SpecCoTrainer":
-        """Speculate in `engine`; with an online draft and a trainer, capture features in the
-        trainer's log-prob forward (no extra forward) and train in the rollout's long tail."""
+        """Speculate in `engine` (a DraftReceiver); with an online draft and a trainer (a
+        FeatureSource), capture features in the trainer's log-prob forward (no extra forward) and,
+        where the engine has idle windows, train in the rollout's long tail."""
         self.engine, self.trainer = engine, trainer
         if self.config.mode == "off":
             return self
-        self.speculator.check_target(engine.model)
-        engine.speculator = self.speculator
-        if self.draft_trainer is not None:
-            if trainer is not None and self.config.feature_source in ("trainer", "both"):
-                layer_ids = tuple(engine.model.cfg.feature_layer_ids)
-                trainer.tap_layers = layer_ids
-                trainer.logprob_hooks.append(
-                    self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version))
-            sequential = self._overlap is None  # overlapped: the burst is the only window
-            if sequential and "tail" in self.config.scheduler.windows:
-                engine.step_hooks.append(self._tail_hook)
-            if sequential and trainer is not None and "interleaved" in self.config.scheduler.windows:
-                if not hasattr(trainer, "microstep_hooks"):
-                    raise ValueError("the 'interleaved' window needs a trainer with microstep_hooks "
-                                     "(called between the policy update's micro-steps)")
-                trainer.microstep_hooks.append(self._interleaved_hook)
+        if not isinstance(engine, DraftReceiver):
+            raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
+        engine.install_draft(self.draft, self.config.spec, controller=self.controller)
+        if self.draft_trainer is None:
+            return self
+        source = self.config.feature_source
+        if source in ("engine", "both") and not getattr(engine, "captures_features", False):
+            raise ValueError(f"feature_source={source!r}: {type(engine).__name__} does not capture features; "
+                             f"use feature_source='trainer'")
+        if trainer is not None and source in ("trainer", "both"):
+            if not isinstance(trainer, FeatureSource):
+                raise TypeError(f"{type(trainer).__name__} is not a rollout.protocol.FeatureSource")
+            layer_ids = tuple(self.draft.cfg.aux_layer_ids)  # = the policy's taps (install_draft checks)
+            trainer.add_feature_hook(layer_ids, self.buffer.logprob_hook(layer_ids, self.draft.d2t,
+                                                                         lambda: self.policy_version))
+        sequential = self._overlap is None  # overlapped: the burst is the only window
+        if sequential and "tail" in self.config.scheduler.windows and isinstance(engine, IdleWindows):
+            engine.step_hooks.append(self._tail_hook)
+        if sequential and trainer is not None and "interleaved" in self.config.scheduler.windows:
+            if not hasattr(trainer, "microstep_hooks"):
+                raise ValueError("the 'interleaved' window needs a trainer with microstep_hooks "
+                                 "(called between the policy update's micro-steps)")
+            trainer.microstep_hooks.append(self._interleaved_hook)
         return self
+
+    @property
+    def speculator(self):
+        """The embedded engine's Speculator (tests and experiments that inspect its draft)."""
+        return getattr(self.engine, "speculator", None) if self.enabled else None
 
     @property
     def enabled(self) -> bool:
@@ -157,10 +173,10 @@ class SpecCoTrainer:
             "rollout/spec_accept_rate_per_pos": agg["accept_rate_per_pos"],
             # draft-side faults that switched speculation off for a generate call: in this
             # rollout, and since the start (never silent: a run that lost its speed-up says why)
-            "rollout/spec_faults": len(self.speculator.faults) - self._faults_seen,
-            "rollout/spec_faults_total": len(self.speculator.faults),
+            "rollout/spec_faults": len(self.engine.draft_faults) - self._faults_seen,
+            "rollout/spec_faults_total": len(self.engine.draft_faults),
         }
-        self._faults_seen = len(self.speculator.faults)
+        self._faults_seen = len(self.engine.draft_faults)
         self.budget.observe(agg["accept_length"], agg["verify_steps"] > 0)
         self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
                                       "rollout/spec_collapse_alarms": self.budget.alarms})
@@ -298,20 +314,21 @@ class SpecCoTrainer:
         version = self.draft_trainer.version
         try:
             weights = self.draft_trainer.export_weights()
-            problem = check_draft_weights(weights, self.speculator.draft.state_dict())
+            problem = check_draft_weights(weights, self.draft.state_dict())
             if problem is not None:
                 raise ValueError(f"weights refused: {problem}")
-            self.speculator.load_draft_weights(weights, version)
+            self.engine.push_draft(weights, version)
         except Exception as err:
             self.faults += 1
             msg = str(err).splitlines()[0] if str(err) else ""
             warnings.warn(f"draft hot swap to version {version} failed ({type(err).__name__}: {msg}); the engine "
-                          f"keeps draft version {self.speculator.version}", RuntimeWarning)
+                          f"keeps draft version {self._engine_version}", RuntimeWarning)
             return
         finally:
             self._sync_s += time.perf_counter() - t_sync
-        if self.speculator.controller is not None:
-            self.speculator.controller.reset_acceptance()
+        self._engine_version = version
+        if self.controller is not None:
+            self.controller.reset_acceptance()
 
     def _overlap_boundary(self) -> None:
         """Overlapped mode, at a step boundary (no forward in flight): finish the burst started at
@@ -325,7 +342,7 @@ class SpecCoTrainer:
             self._wait_s += res["wait_s"]
             if res.get("last"):
                 self._train_metrics.append(res["last"] | {"draft_loss": res["mean_loss"]})
-        if self.draft_trainer.version != self.speculator.version:
+        if self.draft_trainer.version != self._engine_version:
             self._push_weights()
         if len(self.buffer) < self.config.min_buffer_records:
             return
@@ -356,13 +373,13 @@ class SpecCoTrainer:
         if not self.enabled:
             return {"mode": "off"}
         self._finish_burst()  # a consistent draft trainer; the engine swap still waits for the boundary
+        engine_draft, engine_version = self.engine.draft_weights()
         return {"mode": self.config.mode, "policy_version": self.policy_version,
-                "engine_draft": {k: v.clone() for k, v in self.speculator.draft.state_dict().items()},
-                "engine_draft_version": self.speculator.version,
+                "engine_draft": engine_draft, "engine_draft_version": engine_version,
                 "draft_trainer": self.draft_trainer.state_dict() if self.draft_trainer is not None else None,
                 # the buffer's records too: the next draft updates sample them, so an exact resume needs them
                 "buffer": self.buffer.state_dict(include_tensors=True), "scheduler": self.scheduler.state_dict(),
-                "controller": self.speculator.controller.state_dict() if self.speculator.controller else None,
+                "controller": self.controller.state_dict() if self.controller is not None else None,
                 "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -376,22 +393,24 @@ class SpecCoTrainer:
             self.draft_trainer.load_state_dict(state["draft_trainer"])  # refuses non-finite weights itself
             faults += self.draft_trainer.counters["rollbacks"] - state["draft_trainer"].get(
                 "counters", {}).get("rollbacks", 0)
-        problem = check_draft_weights(state["engine_draft"], self.speculator.draft.state_dict())
+        problem = check_draft_weights(state["engine_draft"], self.draft.state_dict())
         if problem is None:
-            self.speculator.draft.load_state_dict(state["engine_draft"])
-            self.speculator.version = state["engine_draft_version"]
+            self.engine.push_draft(state["engine_draft"], state["engine_draft_version"])
+            self._engine_version = state["engine_draft_version"]
         else:  # a NaN engine draft would turn speculation off for good: use the trainer's (or the starting) one
             faults += 1
-            weights = self.draft_trainer.draft.state_dict() if self.draft_trainer is not None else None
-            if weights is not None and check_draft_weights(weights, self.speculator.draft.state_dict()) is None:
-                self.speculator.draft.load_state_dict(weights)
-                self.speculator.version = self.draft_trainer.version
+            if self.draft_trainer is not None and check_draft_weights(self.draft_trainer.export_weights(),
+                                                                      self.draft.state_dict()) is None:
+                self.engine.push_draft(self.draft_trainer.export_weights(), self.draft_trainer.version)
+                self._engine_version, which = self.draft_trainer.version, "trainer"
+            else:
+                which = "starting"  # install_draft gave the engine the starting draft
             warnings.warn(f"the resumed engine draft is unusable ({problem}); speculating with the "
-                          f"{'trainer' if weights is not None else 'starting'} draft instead", RuntimeWarning)
+                          f"{which} draft instead", RuntimeWarning)
         self.buffer.load_state_dict(state["buffer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        if self.speculator.controller is not None and state["controller"] is not None:
-            self.speculator.controller.load_state_dict(state["controller"])
+        if self.controller is not None and state["controller"] is not None:
+            self.controller.load_state_dict(state["controller"])
         self.generator.set_state(state["generator"])
         self.faults = state["faults"] + faults
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it

@@ -83,6 +83,12 @@ RL_PRESETS: dict[str, RunPreset] = {
                     max_new_tokens=48, eval_prompts=16, eval_samples=2, checkpoint_every=1, max_batch=16,
                     draft=DraftTrainConfig(n_sequences=128, steps=40, batch_size=16, max_new_tokens=48),
                     cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["ci"])),
+    # The CI run on vLLM: "ci" on the quick model (vLLM's CPU attention needs head_dim >= 32).
+    "ci-vllm": RunPreset(model="quick", sft=SFTConfig(steps=60, batch_size=16, lr=3e-3, n_examples=512),
+                         grpo=GRPOConfig(lr=3e-4), rl_steps=2, prompts_per_step=4, group_size=4,
+                         max_new_tokens=48, eval_prompts=16, eval_samples=2, checkpoint_every=1, max_batch=16,
+                         draft=DraftTrainConfig(n_sequences=128, steps=40, batch_size=16, max_new_tokens=48),
+                         cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["ci"])),
     # The quick CPU run: a few minutes on 2 cores.
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,

@@ -220,7 +220,7 @@ class RLRun:
     tokenizer: object
     task: object
     policy: torch.nn.Module
-    engine: EmbeddedEngine
+    engine: object  # EmbeddedEngine or rollout.vllm_engine.VLLMEngine
     trainer: GRPOTrainer
     cotrain: SpecCoTrainer
 
@@ -239,9 +239,33 @@ class RLCallback:
         pass
 
 
+ENGINES = ("embedded", "vllm")
+
+
+def build_engine(name: str, policy, preset: RunPreset, out: Path):
+    """The rollout engine. The embedded one runs the trainer's policy module itself; vLLM serves
+    an exported copy that `sync_policy` refreshes after every update."""
+    if name == "embedded":
+        return EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
+    if name == "vllm":
+        from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        return VLLMEngine(policy, VLLMEngineConfig(max_batch=preset.max_batch, work_dir=str(out / "vllm")))
+    raise ValueError(f"unknown engine {name!r}; choose from {ENGINES}")
+
+
+def sync_policy(engine, policy) -> float | None:
+    """Policy sync after an update (seconds); None for an engine that runs the policy module."""
+    if isinstance(engine, EmbeddedEngine) and engine.model is policy:
+        return None
+    t0 = time.perf_counter()
+    engine.load_policy_weights(policy.state_dict())
+    return time.perf_counter() - t0
+
+
 def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int = 0,
              resume: bool = False, steps: int | None = None, cache_dir: Path | None = None, progress: bool = True,
-             spec: str = "off", callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
+             spec: str = "off", engine: str = "embedded", callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
     t_start = time.perf_counter()
     if isinstance(preset_name, RunPreset):  # experiments pass a tuned preset directly
         preset, preset_name = preset_name, "custom"
@@ -250,6 +274,12 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     preset = preset.with_overrides(rl_steps=steps)
     check_seed(seed)
     out = Path(out_dir)
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose from {ENGINES}")
+    if engine == "vllm":
+        from rollout.vllm_engine import require_vllm
+
+        require_vllm()  # before any work: one line naming the fix
     prepare_run_dir(out, resume, log)
     identity = run_identity(task_name, preset, preset_name, seed, spec)
     if resume and (out / RUN_FILE).exists():
@@ -263,7 +293,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     cache_dir.mkdir(parents=True, exist_ok=True)
     check_writable(cache_dir)
     tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
-    engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
+    engine_name, engine = engine, build_engine(engine, policy, preset, out)
     trainer = GRPOTrainer(policy, preset.grpo)
     cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log).attach(engine, trainer)
     heldout = task.examples("heldout", preset.eval_prompts, seed)
@@ -276,6 +306,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     elif resume:
         ckpt_model, _, _, state = load_checkpoint(out / "ckpt", policy.cfg)
         policy.load_state_dict(ckpt_model.state_dict())
+        sync_policy(engine, policy)
         trainer.load_state_dict(state["trainer"])
         torch.set_rng_state(state["torch_rng"])
         cotrain.load_state_dict(state["cotrain"])
@@ -302,6 +333,9 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
         cotrain.on_rollout(trajs)
         rewards = score(task, tokenizer, examples, trajs)
         metrics = trainer.step(trajs, rewards, preset.group_size)
+        sync_s = sync_policy(engine, policy)
+        if sync_s is not None:
+            metrics["perf/policy_sync_s"] = sync_s
         cotrain.on_policy_update()
         cotrain.train_draft()
         row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], "rollout_s": gen["wall_s"],
@@ -316,7 +350,8 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
             cb.on_step_end(run, step, row)
 
     eval_end = evaluate(engine, task, tokenizer, heldout, preset, seed)
-    summary = {"task": task_name, "preset": preset_name, "seed": seed, "spec": spec, "rl_steps": preset.rl_steps,
+    summary = {"task": task_name, "preset": preset_name, "seed": seed, "spec": spec, "engine": engine_name,
+               "rl_steps": preset.rl_steps,
                "reward_start": eval_start["reward"], "reward_end": eval_end["reward"],
                "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
                "eval_prompts": len(heldout), "eval_samples_per_prompt": preset.eval_samples,

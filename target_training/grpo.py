@@ -131,6 +131,12 @@ class GRPOTrainer:
         # co-located work inside the update (specrl's "interleaved" draft training)
         self.microstep_hooks: list[Callable[[int, int], None]] = []
 
+    def add_feature_hook(self, layer_ids: tuple[int, ...], hook: Callable) -> None:
+        """Feature source of the co-training core (rollout.protocol.FeatureSource): tap
+        `layer_ids` in the log-prob forward this trainer runs anyway and hand its output to hook."""
+        self.tap_layers = tuple(layer_ids)
+        self.logprob_hooks.append(hook)
+
     @property
     def unwrapped(self) -> MoETransformer:
         return self.accelerator.unwrap_model(self.model) if self.accelerator is not None else self.model

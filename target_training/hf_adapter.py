@@ -22,6 +22,7 @@ names, which `PreTrainedModel.load_state_dict` takes and `save_pretrained` conve
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -209,6 +210,81 @@ def to_hf_state_dict(model_or_state_dict, cfg: MoEConfig | None = None, *,
     return out
 
 
+def to_hf_disk_state_dict(model_or_state_dict, cfg: MoEConfig | None = None) -> dict[str, torch.Tensor]:
+    """MoETransformer tensors -> HF on-disk names (per-expert `experts.{e}.gate_proj.weight`, ...),
+    what `save_pretrained` writes and what serving engines (vLLM, SGLang) load. Views, no copy."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in to_hf_state_dict(model_or_state_dict, cfg).items():
+        if name.endswith(".experts.gate_up_proj"):  # (E, 2I, H)
+            prefix, half = name.removesuffix(".gate_up_proj"), t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{prefix}.{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith(".experts.down_proj"):  # (E, H, I)
+            prefix = name.removesuffix(".down_proj")
+            for e in range(t.shape[0]):
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def hf_config_from_moe(cfg: MoEConfig, *, dtype: str = "float32"):
+    """The HF Qwen3-MoE config that computes what a MoETransformer of `cfg` computes, so the
+    policy can be served by an engine that loads HF folders (no download, nothing approximated).
+
+    Qwen3-MoE is specrl's own design (QK-norm, top-k router with renormalisation, dense layers
+    by `mlp_only_layers`); options it cannot express (shared experts, an o_proj bias without q/k/v
+    biases, no QK-norm) are refused with HFAdapterError."""
+    from transformers import Qwen3MoeConfig
+
+    if not cfg.qk_norm:
+        raise HFAdapterError("only models with QK-norm export as Qwen3-MoE (qk_norm=False)")
+    if cfg.shared_expert_intermediate_size:
+        raise HFAdapterError("a shared expert does not export as Qwen3-MoE")
+    if cfg.attention_bias != cfg.attention_out_bias:
+        raise HFAdapterError("Qwen3-MoE has one attention_bias for q/k/v and o_proj; the model differs")
+    dense = sorted(i for i in range(cfg.num_layers) if cfg.is_dense_layer(i))
+    hf = Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.dense_intermediate_size,
+        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.attention_bias,
+        num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_intermediate_size,
+        norm_topk_prob=cfg.norm_topk_prob, mlp_only_layers=dense, decoder_sparse_step=1,
+        router_aux_loss_coef=cfg.router_aux_loss_coef, architectures=["Qwen3MoeForCausalLM"], dtype=dtype)
+    back = moe_config_from_hf(hf, max_seq_len=cfg.max_seq_len)
+    if _canonical(back) != _canonical(cfg):
+        raise HFAdapterError("the model does not round-trip through a Qwen3-MoE config")
+    return hf
+
+
+def _canonical(cfg: MoEConfig) -> dict:
+    """Config fields that change what the model computes (the dense-layer placement normalised)."""
+    d = dataclasses.asdict(cfg)
+    d["dense_layers"] = sorted(i for i in range(cfg.num_layers) if cfg.is_dense_layer(i))
+    for k in ("dense_first_layer", "aux_layer_ids", "router_aux_loss_coef"):
+        d.pop(k)
+    return d
+
+
+def save_hf_folder(model: MoETransformer, out_dir, *, dtype: torch.dtype | None = None) -> Path:
+    """Write `model` as a local HF Qwen3-MoE folder (config.json + model.safetensors, on-disk names)."""
+    from safetensors.torch import save_file
+
+    dtype = dtype or model.embed_tokens.weight.dtype
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hf = hf_config_from_moe(model.cfg, dtype=str(dtype).removeprefix("torch."))
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_hf_disk_state_dict(model).items()}
+    if model.cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    hf.to_json_file(str(out / "config.json"))
+    return out
+
+
 # ------------------------------------------------------------------------------ loading
 def build_target(cfg: MoEConfig, state_dict: dict[str, torch.Tensor], *, device=None,
                  dtype: torch.dtype | None = None) -> MoETransformer:
@@ -298,4 +374,5 @@ def to_hf_model(model: MoETransformer, hf_config):
 
 
 __all__ = ["HFAdapterError", "FAMILIES", "moe_config_from_hf", "to_specrl_state_dict", "to_hf_state_dict",
-           "build_target", "load_hf_target", "to_hf_model"]
+           "build_target", "load_hf_target", "to_hf_model", "to_hf_disk_state_dict", "hf_config_from_moe",
+           "save_hf_folder"]

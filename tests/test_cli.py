@@ -277,3 +277,23 @@ def test_bench_speed_bad_gamma(tmp_path, capsys):
     assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), "--gamma", "0", "--batches", "1"]) == 2
     assert "--gamma" in _err_line(capsys)
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_engine_vllm_without_vllm_is_one_line(tmp_path, cache, capsys, monkeypatch):
+    """Where vLLM is not importable (the base lane), --engine vllm names the fix and exits 2."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("No module named 'vllm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    code = main(["train-rl", "--engine", "vllm", "--out", str(tmp_path / "r"), "--cache-dir", str(cache),
+                 "--no-progress"])
+    assert code == 2
+    line = _err_line(capsys)
+    assert "vLLM is not installed" in line and "tests/lanes/vllm.sh" in line
+    assert not (tmp_path / "r").exists()  # refused before any work

@@ -168,3 +168,51 @@ def test_flipped_byte_in_weights_is_refused_by_the_manifest(tmp_path):
     assert "\n" not in str(e.value)
     (out / "manifest.json").unlink()
     load_draft(out, target)  # without a manifest nothing can tell: that is what the manifest is for
+
+
+def test_identity_vocab_is_written_without_maps_and_reloads(tmp_path):
+    """vLLM has no `draft_id_to_target_id` when the draft vocabulary is the target's and refuses a
+    `d2t` then; the export leaves both maps out and load_draft restores the identity."""
+    torch.manual_seed(0)
+    target = model_config_for("tiny", V).build().eval()
+    draft = Eagle3Config.for_target(target.cfg, V).build(target.embed_tokens).eval()
+    out = save_draft(draft, tmp_path / "d")
+    assert set(load_file(str(out / "model.safetensors"))) == SGLANG_KEYS - {"d2t", "t2d"}
+    loaded = load_draft(out, target)
+    assert torch.equal(loaded.d2t, draft.d2t) and torch.equal(loaded.t2d, draft.t2d)
+    for a, b in zip(outputs(target, draft), outputs(target, loaded)):
+        assert torch.equal(a, b)
+
+
+def test_tap_ids_are_written_in_each_engines_convention(tmp_path):
+    target, draft = make_pair()
+    ids = list(target.cfg.feature_layer_ids)  # ours: the output of layer i, counted from 0
+    cfg = json.loads((save_draft(draft, tmp_path / "d") / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == ids  # SGLang: output of layer i
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in ids]  # vLLM: after i layers
+    # a folder written for vLLM only (top-level key) reads back as the same layers
+    only_vllm = {k: v for k, v in cfg.items() if k != "eagle_config"}
+    assert Eagle3Config.from_sglang_config(only_vllm).aux_layer_ids == tuple(ids)
+    clash = dict(cfg, eagle_aux_hidden_state_layer_ids=ids)  # both keys, same numbers: two conventions disagree
+    with pytest.raises(ValueError, match="two different tap layers"):
+        Eagle3Config.from_sglang_config(clash)
+
+
+def _sglang_0_5_23_capture_points(config: dict, num_layers: int) -> list[int]:
+    """A hand-written mirror of how SGLang 0.5.23 picks the hidden states an EAGLE-3 draft gets
+    (this test runs in the base lane, where sglang is not installed; tests/test_upstream_sglang.py runs sglang's own loader code in its lane):
+    model_runner_components/spec_aux_hidden_state.py reads only eagle_config[...layer_ids]
+    (None when absent); Qwen3MoeForCausalLM.set_eagle3_layers_to_capture captures
+    [2, L // 2, L - 3] for None, else [i + 1 for i in ids]; the decoder marks those layers and
+    records the hidden state entering them (= the output of the layer before)."""
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    entering = [2, num_layers // 2, num_layers - 3] if ids is None else [i + 1 for i in ids]
+    return sorted({j - 1 for j in entering})  # as "output of layer j", the convention specrl uses
+
+
+def test_sglang_reading_of_the_export_taps_our_layers(tmp_path):
+    cfg8 = model_config_for("full", V)  # 8 layers: taps (1, 3, 4); SGLang can tap them all
+    target = cfg8.build()
+    draft = Eagle3Config.for_target(cfg8, VD).build(target.embed_tokens)
+    cfg = json.loads((save_draft(draft, tmp_path / "d") / "config.json").read_text())
+    assert _sglang_0_5_23_capture_points(cfg, cfg8.num_layers) == list(cfg8.feature_layer_ids)

@@ -1,5 +1,7 @@
 """HF target adapter: converted models compute what HF computes, names round-trip exactly, and the
 embedded engine's greedy speculative decoding reproduces HF `generate` token for token."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,3 +167,24 @@ def test_greedy_speculative_equals_hf_generate(qwen3_moe_setup, mode, draft_kind
         assert verify > 0 and accepted < drafted  # rejections: KV rollback (chain) / compaction (tree)
         if draft_kind == "trained":
             assert accepted / verify > 0.5  # accepted paths of several tokens are kept in the cache
+
+
+def test_policy_exports_as_a_qwen3_moe_folder_with_on_disk_names(tmp_path):
+    """specrl's MoE policy -> an HF Qwen3-MoE folder (what vLLM serves), built from our config."""
+    from safetensors.torch import load_file
+
+    from target_training.config import model_config_for
+    from target_training.hf_adapter import hf_config_from_moe, save_hf_folder
+
+    torch.manual_seed(0)
+    model = model_config_for("quick", 64).build().eval()
+    out = save_hf_folder(model, tmp_path / "hf")
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in names and "model.layers.0.mlp.gate_proj.weight" in names
+    back, _ = load_hf_target(out, max_seq_len=model.cfg.max_seq_len)
+    ids = torch.randint(0, 64, (2, 11))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, back(ids).logits)
+    assert hf_config_from_moe(model.cfg).mlp_only_layers == [0]
+    with pytest.raises(HFAdapterError, match="QK-norm"):
+        hf_config_from_moe(dataclasses.replace(model.cfg, qk_norm=False))

