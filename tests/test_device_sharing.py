@@ -115,4 +115,4 @@ def test_interleaved_window_trains_between_micro_steps(tiny_model, one_thread):
 def test_interleaved_needs_a_trainer_with_hooks(tiny_model):
     cot = _cotrainer(tiny_model, None, windows=("interleaved",))
     with pytest.raises(ValueError, match="microstep_hooks"):
-        cot.attach(EmbeddedEngine(tiny_model), SimpleNamespace(tap_layers=(), logprob_hooks=[]))
+        cot.attach(EmbeddedEngine(tiny_model), SimpleNamespace(add_feature_hook=lambda layer_ids, hook: None))

@@ -121,6 +121,7 @@ def _rollout(accepted_per_step: int, steps: int = 10):
 def test_cotrainer_reports_the_alarm_and_the_budget(tiny_model):
     """The co-trainer wires the rule: its metrics carry the alarm, and its burst is cut to the
     rule's count (zero once acceptance is steady)."""
+    from rollout.engine import EmbeddedEngine
     from rollout.speculative import SpecConfig
     from specrl.cotrain import CoTrainConfig, SpecCoTrainer
     from specrl.drafts import DraftTrainConfig, new_draft
@@ -129,7 +130,7 @@ def test_cotrainer_reports_the_alarm_and_the_budget(tiny_model):
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
     sched = SchedulerConfig(draft_steps=DraftBudgetConfig(rule="acceptance", idle_after=2))
     cot = SpecCoTrainer(draft, CoTrainConfig(mode="online", spec=SpecConfig(gamma=4), scheduler=sched,
-                                             max_draft_steps=6))
+                                             max_draft_steps=6)).attach(EmbeddedEngine(tiny_model))
     cot.begin_step()
     assert cot.on_rollout(_rollout(2))["rollout/spec_collapse_alarm"] == 0
     cot.on_rollout(_rollout(2))

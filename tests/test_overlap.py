@@ -6,6 +6,7 @@ import copy
 import pytest
 import torch
 
+from rollout.engine import EmbeddedEngine
 from rollout.speculative import SpecConfig
 from specrl.cotrain import CoTrainConfig, SpecCoTrainer
 from specrl.drafts import DraftTrainConfig, new_draft
@@ -33,7 +34,7 @@ def _pair(model):
                             online=OnlineDraftConfig(batch_size=4),
                             scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=600.0, windows=("between",),
                                                       mode=mode))
-        cot = SpecCoTrainer(copy.deepcopy(draft), cfg)
+        cot = SpecCoTrainer(copy.deepcopy(draft), cfg).attach(EmbeddedEngine(model))
         cot.draft.set_target_embedding(model.embed_tokens)
         cot.speculator.draft.set_target_embedding(model.embed_tokens)
         _fill(cot, model)

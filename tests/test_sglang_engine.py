@@ -229,7 +229,7 @@ def test_server_args_bad_values(kw, match):
     spec = args.pop("spec")
     with pytest.raises(SGLangArgsError, match=match):
         sglang_server_args(args.pop("model_path"), args.pop("draft_path"), spec, **args)
-    with pytest.raises(ValueError, match="gamma must be positive"):
+    with pytest.raises(ValueError, match=r"SpecConfig.gamma must be an integer in \[1, 64\], got 0"):
         SpecConfig(gamma=0)
     with pytest.raises(SGLangArgsError, match="finite"):
         to_cli_args({"mem_fraction_static": float("nan")})

