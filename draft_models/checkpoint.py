@@ -73,6 +73,18 @@ def draft_tensors_for_export(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     return tensors
 
 
+@torch.no_grad()
+def copy_draft_weights(draft: Eagle3Draft, weights: dict[str, torch.Tensor]) -> None:
+    """Copy fresh weights (SGLang names, no embedding) into `draft` in place, so whoever holds the
+    module (an engine mid-rollout) sees them at its next step. Every tensor must be present."""
+    state = draft.state_dict()
+    missing = sorted(set(state) - set(weights))
+    if missing:
+        raise ValueError(f"draft weights lack {missing[:3]}")
+    for name, t in state.items():
+        t.copy_(weights[name].to(t.device, t.dtype))
+
+
 def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(tensors, str(path), metadata={"format": "pt"})
 

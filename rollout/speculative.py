@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from draft_models.checkpoint import check_draft_against_target
+from draft_models.checkpoint import check_draft_against_target, copy_draft_weights
 from rollout import acceptance as acc
 from rollout.profile import tick
 from rollout.protocol import SamplingParams
@@ -74,12 +74,7 @@ class Speculator:
         """Hot swap: copy fresh weights (SGLang names, no embedding) into the engine's draft in
         place, so even a rollout in flight picks them up at its next step. Speculation stays
         lossless whatever the draft; only acceptance changes."""
-        state = self.draft.state_dict()
-        missing = sorted(set(state) - set(weights))
-        if missing:
-            raise ValueError(f"draft weights lack {missing[:3]}")
-        for name, t in state.items():
-            t.copy_(weights[name].to(t.device, t.dtype))
+        copy_draft_weights(self.draft, weights)
         self.version = version
 
     def max_depth(self) -> int:

@@ -34,7 +34,8 @@ from typing import Sequence
 
 import torch
 
-from draft_models.checkpoint import check_draft_against_target, draft_tensors_for_export, has_identity_vocab, save_draft
+from draft_models.checkpoint import (check_draft_against_target, copy_draft_weights, draft_tensors_for_export,
+                                     has_identity_vocab, save_draft)
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 
 
@@ -291,13 +292,7 @@ class VLLMEngine:
         """Draft hot swap into the live engine: the worker's drafter reloads in place."""
         if self.draft is None:
             raise VLLMEngineError("the engine has no draft: install_draft first")
-        with torch.no_grad():
-            state = self.draft.state_dict()
-            missing = sorted(set(state) - set(weights))
-            if missing:
-                raise ValueError(f"draft weights lack {missing[:3]}")
-            for name, t in state.items():
-                t.copy_(weights[name].to(t.device, t.dtype))
+        copy_draft_weights(self.draft, weights)
         if self._llm is not None:  # (not started yet: it will load the draft as it is now)
             self.llm.collective_rpc(_reload_in_worker, args=(_pack(draft_tensors_for_export(self.draft)), "draft"))
             self.llm.reset_prefix_cache()  # the draft's cached KV came from the old draft

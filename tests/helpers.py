@@ -78,3 +78,16 @@ def tiny_hf_tokenizer(vocab_size: int = 96):
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>",
                                    eos_token="<eos>", unk_token="<unk>")
+
+
+def fill_buffer(cot, model, n: int = 8, T: int = 16, seed: int = 0, version: int = 0) -> None:
+    """Put n random sequences of length T (second half as the response) into a co-trainer's
+    feature buffer, through the same path as the policy trainer's log-prob forward."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (n, T), generator=g)
+    with torch.no_grad():
+        out = model(ids, tap_layers=model.cfg.feature_layer_ids)
+    mask = torch.zeros(n, T, dtype=torch.bool)
+    mask[:, T // 2:] = True
+    cot.buffer.add_from_trainer_forward(ids, out.features(model.cfg.feature_layer_ids), out.logits, mask,
+                                        cot.draft.d2t, version)

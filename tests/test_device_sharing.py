@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers import fill_buffer
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.speculative import SpecConfig
@@ -15,15 +16,8 @@ from specrl.scheduler import SchedulerConfig
 from target_training.grpo import GRPOConfig, GRPOTrainer
 
 
-def _fill(cot, model, n=8, T=16):
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 60, (n, T), generator=g)
-    with torch.no_grad():
-        out = model(ids, tap_layers=model.cfg.feature_layer_ids)
-    mask = torch.zeros(n, T, dtype=torch.bool)
-    mask[:, T // 2:] = True
-    cot.buffer.add_from_trainer_forward(ids, out.features(model.cfg.feature_layer_ids), out.logits, mask,
-                                        cot.draft.d2t, 0)
+def _fill(cot, model, **kw):
+    fill_buffer(cot, model, **{"n": 8, **kw})
 
 
 def _cotrainer(model, memory_budget_bytes, batch_size=8, windows=("between",)):

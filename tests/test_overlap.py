@@ -5,6 +5,7 @@ import copy
 
 import pytest
 import torch
+from helpers import fill_buffer
 
 from rollout.engine import EmbeddedEngine
 from rollout.speculative import SpecConfig
@@ -14,15 +15,8 @@ from specrl.online_trainer import OnlineDraftConfig
 from specrl.scheduler import SchedulerConfig
 
 
-def _fill(cot, model, n=12, T=16, seed=0, version=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 60, (n, T), generator=g)
-    with torch.no_grad():
-        out = model(ids, tap_layers=model.cfg.feature_layer_ids)
-    mask = torch.zeros(n, T, dtype=torch.bool)
-    mask[:, T // 2:] = True
-    cot.buffer.add_from_trainer_forward(ids, out.features(model.cfg.feature_layer_ids), out.logits, mask,
-                                        cot.draft.d2t, version)
+def _fill(cot, model, **kw):
+    fill_buffer(cot, model, **{"n": 12, **kw})
 
 
 def _pair(model):
