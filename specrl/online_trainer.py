@@ -344,7 +344,9 @@ class OnlineDraftTrainer:
         return {"draft": {k: v.detach().clone() for k, v in self.draft.state_dict().items()},
                 "optimizer": copy.deepcopy(self.optimizer.state_dict()), "version": self.version,
                 "counters": dict(self.counters), "config": dataclasses.asdict(self.config),
-                "step_seconds": self.step_seconds}  # the budget check reads it: a resume must see it too
+                "step_seconds": self.step_seconds,  # the budget check reads it: a resume must see it too
+                # so does the memory plan: the largest activation size measured so far
+                "activation_bytes_per_record": self.activation_bytes_per_record}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore a snapshot. Non-finite draft weights are refused: the current (starting) draft
@@ -360,6 +362,7 @@ class OnlineDraftTrainer:
         self.version = int(sd["version"])
         self.counters = counters
         self.step_seconds = sd.get("step_seconds", self.step_seconds)
+        self.activation_bytes_per_record = sd.get("activation_bytes_per_record", self.activation_bytes_per_record)
         if problem is None:
             self._snapshot()
         else:
