@@ -11,7 +11,7 @@ measurement, so the gap (efficiency = speed-up / bound) shows what the decode lo
 from __future__ import annotations
 
 from rollout.speculative import SpecConfig
-from specrl.bench import MEASUREMENT, format_row, format_table, measure_batch, model_summary, save_summary, speed_setup
+from specrl.bench import measure_and_save, speed_setup
 
 
 def sweep_configs(gammas, tree_budgets, tree_depth: int, tree_topk: int) -> list[SpecConfig]:
@@ -26,17 +26,8 @@ def run_speed(out_dir, *, preset: str = "quick", task: str = "arith", batches=(1
               log=print) -> dict:
     policy, draft, params, prompts_for = speed_setup(task, preset, seed, cache_dir, temperature)
     configs = sweep_configs(gammas, tree_budgets, tree_depth, tree_topk)
-    rows = []
-    for b in batches:
-        prompts = prompts_for(b * prompts_per_batch)
-        new = measure_batch(policy, draft, prompts, params, b, configs, repeats=repeats)  # every arm in turns
-        rows.extend(new)
-        for row in new:
-            log(format_row(row))
-    summary = save_summary(out_dir, {"benchmark": "speed_sweep", "task": task, "preset": preset,
-                                     "temperature": temperature, "model": model_summary(policy, draft),
-                                     "measurement": MEASUREMENT, "rows": rows})
-    log(format_table(summary["rows"]))
+    summary = measure_and_save(out_dir, "speed_sweep", task, preset, temperature, policy, draft, params, prompts_for,
+                               batches, configs, prompts_per_batch=prompts_per_batch, repeats=repeats, log=log)
     if plots:
         from experiments.plots import speed_plots
         speed_plots(out_dir)

@@ -283,16 +283,28 @@ def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     modes = [SpecConfig(mode="chain", gamma=chain_gamma),
              SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)]
+    return measure_and_save(out_dir, "speed", task_name, preset_name, temperature, policy, draft, params,
+                            prompts_for, batches, modes, prompts_per_batch=prompts_per_batch, repeats=repeats,
+                            adaptive_gammas=tuple(range(1, chain_gamma + 1)), log=log)
+
+
+def measure_and_save(out_dir, benchmark: str, task_name: str, preset_name: str, temperature: float, policy, draft,
+                     params, prompts_for, batches, spec_cfgs, *, prompts_per_batch: int, repeats: int,
+                     adaptive_gammas=None, log=print) -> dict:
+    """`measure_batch` at every batch size (each row logged as it comes), saved as summary.json
+    and printed as a table. The adaptive arm's controller is warmed on prompts the timed runs
+    do not use."""
     rows = []
     for b in batches:
-        prompts = prompts_for(b * prompts_per_batch)
-        warm = prompts_for(2 * b * prompts_per_batch)[b * prompts_per_batch:]  # other prompts for the controller
-        new = measure_batch(policy, draft, prompts, params, b, modes, repeats=repeats,
-                            adaptive_gammas=tuple(range(1, chain_gamma + 1)), warm_prompts=warm)
+        n = b * prompts_per_batch
+        prompts = prompts_for(n)
+        warm = prompts_for(2 * n)[n:] if adaptive_gammas else None
+        new = measure_batch(policy, draft, prompts, params, b, spec_cfgs, repeats=repeats,
+                            adaptive_gammas=adaptive_gammas, warm_prompts=warm)
         rows.extend(new)
         for row in new:
             log(format_row(row))
-    summary = save_summary(out_dir, {"benchmark": "speed", "task": task_name, "preset": preset_name,
+    summary = save_summary(out_dir, {"benchmark": benchmark, "task": task_name, "preset": preset_name,
                                      "temperature": temperature, "model": model_summary(policy, draft),
                                      "measurement": MEASUREMENT, "rows": rows})
     log(format_table(summary["rows"]))

@@ -290,21 +290,28 @@ class SpecCoTrainer:
             return time.perf_counter() - t0
         before, rollbacks = self.draft_trainer.version, self.draft_trainer.counters["rollbacks"]
         try:
-            recent = self.config.recent_versions
-            min_version = max(0, self.policy_version - recent) if recent else None
             result = self.draft_trainer.train_for(self.buffer, steps, remaining_s, self.generator,
-                                                  min_version=min_version, batch_size=batch)
+                                                  min_version=self._min_version(), batch_size=batch)
         except Exception as err:  # OOM, NaN or a bug on the draft side: never stop the RL run
             self._on_draft_error(err)
             return time.perf_counter() - t0
         finally:  # rollbacks to finite weights (the trainer warned) are draft faults too
             self.faults += self.draft_trainer.counters["rollbacks"] - rollbacks
-        self._draft_steps_this_rl_step += result["steps"]
-        if result.get("last"):
-            self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
+        self._record_burst(result)
         if self.draft_trainer.version != before:
             self._push_weights()
         return time.perf_counter() - t0
+
+    def _min_version(self) -> int | None:
+        """Oldest policy version the draft may train on (config.recent_versions; None: all)."""
+        recent = self.config.recent_versions
+        return max(0, self.policy_version - recent) if recent else None
+
+    def _record_burst(self, result: dict) -> None:
+        """Count a burst's steps and keep its last step's metrics (with the burst's mean loss)."""
+        self._draft_steps_this_rl_step += result["steps"]
+        if result.get("last"):
+            self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
 
     def _push_weights(self) -> None:
         """Hot swap the trainer's weights into the engine's draft, after checking them (names,
@@ -337,11 +344,9 @@ class SpecCoTrainer:
         self._finish_burst()
         if self._burst is not None:
             res, self._burst = self._burst, None
-            self._draft_steps_this_rl_step += res["steps"]
+            self._record_burst(res)
             self._overlap_s += res["hidden_s"]
             self._wait_s += res["wait_s"]
-            if res.get("last"):
-                self._train_metrics.append(res["last"] | {"draft_loss": res["mean_loss"]})
         if self.draft_trainer.version != self._engine_version:
             self._push_weights()
         if len(self.buffer) < self.config.min_buffer_records:
@@ -350,11 +355,9 @@ class SpecCoTrainer:
         batch = self._memory_plan() if steps > 0 else 0
         if steps <= 0 or batch == 0:
             return
-        recent = self.config.recent_versions
         budget = self.scheduler.budget_s  # the same time budget per step as the sequential windows
         self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
-                             prefer_rejected=self.config.online.prefer_rejected,
-                             min_version=max(0, self.policy_version - recent) if recent else None)
+                             prefer_rejected=self.config.online.prefer_rejected, min_version=self._min_version())
 
     def _finish_burst(self) -> None:
         """Wait for the overlapped burst in flight, if any; its result waits in self._burst."""
@@ -399,9 +402,9 @@ class SpecCoTrainer:
             self._engine_version = state["engine_draft_version"]
         else:  # a NaN engine draft would turn speculation off for good: use the trainer's (or the starting) one
             faults += 1
-            if self.draft_trainer is not None and check_draft_weights(self.draft_trainer.export_weights(),
-                                                                      self.draft.state_dict()) is None:
-                self.engine.push_draft(self.draft_trainer.export_weights(), self.draft_trainer.version)
+            weights = self.draft_trainer.export_weights() if self.draft_trainer is not None else None
+            if weights is not None and check_draft_weights(weights, self.draft.state_dict()) is None:
+                self.engine.push_draft(weights, self.draft_trainer.version)
                 self._engine_version, which = self.draft_trainer.version, "trainer"
             else:
                 which = "starting"  # install_draft gave the engine the starting draft

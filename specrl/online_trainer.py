@@ -209,7 +209,7 @@ class OnlineDraftTrainer:
             self._good = {"draft": draft, "optimizer": copy.deepcopy(opt), "updates": self.counters["updates"]}
 
     def weights_finite(self) -> bool:
-        return all(bool(torch.isfinite(p).all()) for p in self._params)
+        return _all_finite(self._params)
 
     def _rollback(self, why: str) -> bool:
         """Restore the last finite snapshot; False when there is none to restore."""
@@ -261,7 +261,6 @@ class OnlineDraftTrainer:
                 if ok:
                     set_lr(self.optimizer, step_lr(cfg, self.counters["updates"]))
                     self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
                     if self.weights_finite():
                         self.version += 1
                         self.counters["updates"] += 1
