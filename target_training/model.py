@@ -195,7 +195,7 @@ class MoE(nn.Module):
             topw = topw / topw.sum(-1, keepdim=True)
         E = self.cfg.num_experts
         counts = torch.bincount(topi.reshape(-1), minlength=E)  # (E,)
-        if flat.shape[0] <= self.SORTED_DISPATCH_MAX_TOKENS:
+        if not torch.is_grad_enabled() and flat.shape[0] <= self.SORTED_DISPATCH_MAX_TOKENS:
             out = self._experts_sorted(flat, topi, topw, counts)
         else:
             out = self._experts_masked(flat, topi, topw, counts)
@@ -206,10 +206,12 @@ class MoE(nn.Module):
         return out.view(B, T, H), (aux, counts)
 
 
-    # Decode and verify blocks (a few to a few hundred tokens) are dominated by per-expert overhead,
-    # so they take the sorted dispatch; training batches (thousands of tokens) keep the masked one,
-    # which measured faster there. Both run the same matmuls on the same rows in the same order and
-    # accumulate each token's experts in ascending expert order, so their outputs are bitwise equal.
+    # Decode and verify blocks (a few to a few hundred tokens, no autograd) are dominated by
+    # per-expert overhead, so they take the sorted dispatch; large blocks and every forward that
+    # records gradients keep the masked one. Both run the same matmuls on the same rows in the same
+    # order and accumulate each token's experts in ascending expert order, so their outputs are
+    # bitwise equal; their backward passes are not (the gather's gradient sums in another order, a
+    # last-bit difference that a long SFT or RL run amplifies), hence training never switches.
     SORTED_DISPATCH_MAX_TOKENS = 512
 
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:

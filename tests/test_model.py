@@ -102,17 +102,15 @@ def test_sorted_and_masked_expert_dispatch_are_bitwise_equal(n_tokens, monkeypat
     moe = MoE(cfg)
     x = torch.randn(1, n_tokens, cfg.hidden_size)
     monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 10**9)
-    sorted_out, (sorted_aux, sorted_counts) = moe(x)
+    with torch.no_grad():
+        sorted_out, (sorted_aux, sorted_counts) = moe(x)
     monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 0)
-    masked_out, (masked_aux, masked_counts) = moe(x)
+    with torch.no_grad():
+        masked_out, (masked_aux, masked_counts) = moe(x)
     assert torch.equal(sorted_out, masked_out)
     assert torch.equal(sorted_aux, masked_aux) and torch.equal(sorted_counts, masked_counts)
-    # the gradients the policy trainer sees do not depend on the dispatch either
-    grads = []
-    for limit in (10**9, 0):
-        monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", limit)
-        moe.zero_grad()
-        moe(x)[0].square().sum().backward()
-        grads.append([p.grad.clone() for p in (moe.w_gate, moe.w_up, moe.w_down, moe.gate.weight)])
-    for a, b in zip(*grads):
-        assert torch.allclose(a, b, rtol=0, atol=1e-6)
+    # a forward that records gradients always takes the masked dispatch, whatever its size: the
+    # sorted one's backward sums in another order, and training must stay bit-for-bit reproducible
+    monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 10**9)
+    monkeypatch.setattr(MoE, "_experts_sorted", lambda *a: pytest.fail("sorted dispatch under autograd"))
+    assert torch.equal(moe(x)[0], masked_out)
