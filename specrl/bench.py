@@ -245,15 +245,15 @@ def format_table(rows: list[dict]) -> str:
 def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperature: float):
     """The policy, its cached offline draft, sampling params and a prompt maker for speed runs."""
     from rollout.protocol import SamplingParams
-    from specrl.drafts import DraftTrainConfig, cached_offline_draft
+    from specrl.drafts import cached_offline_draft
 
     SamplingParams(temperature=temperature)  # a bad --temperature fails before the expensive setup
     preset = get_preset(preset_name)
     cache_dir = cache_dir or default_cache_dir()
     tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir)
     draft_prompts = encode_prompts(tokenizer, task.examples("train", 1024, seed + 7))
-    draft, _ = cached_offline_draft(policy, draft_prompts, DraftTrainConfig(max_new_tokens=preset.max_new_tokens),
-                                    (tokenizer.eos_id,), cache_dir)
+    draft_cfg = dataclasses.replace(preset.draft, max_new_tokens=preset.max_new_tokens)  # the preset's recipe
+    draft, _ = cached_offline_draft(policy, draft_prompts, draft_cfg, (tokenizer.eos_id,), cache_dir)
     # replace() re-runs SamplingParams validation, so a bad --temperature is refused
     params = dataclasses.replace(rollout_params(preset, tokenizer, seed), temperature=temperature)
 
