@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(o)
     o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
     o.add_argument("--warmup", type=int, default=2)
+    o.add_argument("--block", type=int, default=4, help="consecutive RL steps per arm before the next arm's turn")
 
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
@@ -155,7 +156,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.command == "bench" and args.bench == "overlap":
         from specrl.bench_overlap import bench_overlap
 
-        return bench_overlap(args.task, args.preset, args.out, steps=args.steps, warmup=args.warmup, seed=args.seed,
+        return bench_overlap(args.task, args.preset, args.out, steps=args.steps, warmup=args.warmup, block=args.block, seed=args.seed,
                              cache_dir=args.cache_dir)
     if args.command == "drift":
         from experiments.drift import run_drift

@@ -359,6 +359,12 @@ class SpecCoTrainer:
         self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
                              prefer_rejected=self.config.online.prefer_rejected, min_version=self._min_version())
 
+    def wait_for_draft(self) -> None:
+        """Block until an overlapped burst still in flight has finished (the end of a run, or a
+        benchmark handing the machine to another arm). Its result is reported, and its weights
+        swapped into the engine, at the next step boundary as usual."""
+        self._finish_burst()
+
     def _finish_burst(self) -> None:
         """Wait for the overlapped burst in flight, if any; its result waits in self._burst."""
         if self._overlap is not None and self._overlap.busy:
