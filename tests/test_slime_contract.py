@@ -339,8 +339,11 @@ def test_draft_oom_skips_co_training_and_the_train_step_goes_on(setup):
 def test_captured_records_live_in_the_byte_budgeted_buffer(setup, tmp_path):
     s = setup
     sl.configure(None)
-    budget = 4 * (3 * H * 2 + 9 * (8 + 1))  # four 9-token records' features, ids and mask
-    ad = sl.SlimeAdapter(make_config(s.config.draft_path, s.server.url, buffer_bytes=budget), s.args, s.model)
+    budget = 4 * 9 * (3 * H * 2 + 8 + 1)  # four 9-token records: fp16 features, int64 ids, bool mask
+    engine = SGLangEngine(SGLangEngineConfig(base_url=s.server.url, serializer=json_serializer,
+                                             hold_shared_draft_names=True))
+    ad = sl.SlimeAdapter(make_config(s.config.draft_path, s.server.url, buffer_bytes=budget), s.args, s.model,
+                         engines=[engine])
     sl.configure(s.config, ad)
     s.ad = ad
     for seed in range(3):
