@@ -288,6 +288,12 @@ def test_tensor_parallel_shard_is_refused_in_one_line(setup):
         sl.SlimeAdapter(s.config, SimpleNamespace(num_layers=L, padded_vocab_size=2 * V), s.model, engines=[object()])
 
 
+def test_a_draft_rank_outside_the_job_is_refused(setup):
+    config = make_config(setup.config.draft_path, setup.server.url, draft_rank=1)
+    with pytest.raises(ValueError, match=r"draft_rank 1 is not a data-parallel rank of this job \(0..0\)"):
+        sl.SlimeAdapter(config, setup.args, setup.model, engines=[object()])
+
+
 def _raise(err):
     def broken(*a, **k):
         raise err

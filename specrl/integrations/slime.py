@@ -123,19 +123,19 @@ class SlimeSpecConfig:
         return cls(**d)
 
 
-def data_parallel_rank() -> int:
-    """This process's data-parallel rank: Megatron's when its parallel state is up, else the
-    torch.distributed rank, else 0 (one process)."""
+def data_parallel_rank_and_size() -> tuple[int, int]:
+    """This process's data-parallel rank and the data-parallel world size: Megatron's when its
+    parallel state is up, else torch.distributed's, else (0, 1) (one process)."""
     try:
         from megatron.core import parallel_state as mpu
 
         if mpu.model_parallel_is_initialized():
-            return int(mpu.get_data_parallel_rank())
+            return int(mpu.get_data_parallel_rank()), int(mpu.get_data_parallel_world_size())
     except ImportError:
         pass
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return int(torch.distributed.get_rank())
-    return 0
+        return int(torch.distributed.get_rank()), int(torch.distributed.get_world_size())
+    return 0, 1
 
 
 def load_draft_for(config: SlimeSpecConfig, args, gpt):
@@ -165,7 +165,10 @@ class SlimeAdapter:
 
     def __init__(self, config: SlimeSpecConfig, args, model_chunks, engines=None):
         self.config = cfg = config
-        self.dp_rank = data_parallel_rank()
+        self.dp_rank, dp_size = data_parallel_rank_and_size()
+        if not 0 <= cfg.draft_rank < dp_size:
+            raise ValueError(f"SlimeSpecConfig.draft_rank {cfg.draft_rank} is not a data-parallel rank of this job "
+                             f"(0..{dp_size - 1}): no rank would train the draft")
         self.trains = self.dp_rank == cfg.draft_rank
         self.cotrain = self.tap = self.engines = None
         self.metrics: dict = {}
