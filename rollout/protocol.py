@@ -159,7 +159,9 @@ class FeatureSource(Protocol):
 
     def add_feature_hook(self, layer_ids: tuple[int, ...], hook: Callable) -> None:
         """Tap `layer_ids` in every later log-prob forward and call hook(input_ids, output,
-        response_mask) with its output (target_training.model.ModelOutput)."""
+        response_mask) with its output (target_training.model.ModelOutput, or any object with its
+        `features(layer_ids)` and `logits`; logits None when the forward's are not whole, e.g.
+        vocabulary-parallel, and the draft then trains on hard labels)."""
 
 
 @runtime_checkable

@@ -19,7 +19,7 @@ mkdir -p .lane-logs
     done
 ) &
 installs=$!
-.venv/bin/python -m pytest -q -m "not slow and not vllm and not sglang and not verl"
+.venv/bin/python -m pytest -q -m "not slow and not vllm and not sglang and not verl and not miles"
 if ! wait "$installs"; then
     echo "a lane install failed:" >&2
     tail -n 40 .lane-logs/*.install.log >&2

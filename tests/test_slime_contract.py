@@ -1,23 +1,26 @@
 """slime contract: the custom generate function and the Megatron hooks, against a stand-in Sample
 with exactly slime's fields and a small torch module shaped like Megatron's GPTModel.
 
-Sample fields copied (names, defaults, nesting) from THUDM/slime `slime/utils/types.py` at commit
-0d234f3e3a83c81b7d37209994e0b994deacbb24; the hook signatures from slime's
-docs/en/get_started/customization.md (section 17) at the same time.
+`Sample` is a HAND COPY of slime's (tests/slime_sample.py says from where, and why slime's own
+class cannot be installed here; the miles lane checks the copy against Miles' real `Sample`). The
+hook signatures come from slime's docs/en/get_started/customization.md (section 17) at the same
+commit, and match Miles' `megatron_utils` (miles-rl 0.0.2).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field, fields
-from enum import Enum
+import os
+import subprocess
+import sys
+from dataclasses import fields
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
+from slime_sample import Sample
 from test_sglang_engine import FakeSGLang, json_serializer, load_fixture
 
 import specrl.integrations.slime as sl
@@ -27,58 +30,9 @@ from draft_models.vocab import build_draft_vocab
 from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
 from specrl.online_trainer import OnlineDraftConfig
 
+ROOT = Path(__file__).resolve().parents[1]
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@dataclass
-class Sample:  # slime's Sample (fields only; methods not needed by the contract)
-    group_index: int | None = None
-    index: int | None = None
-    prompt: str | list[dict[str, str]] = ""
-    tokens: list[int] = field(default_factory=list)
-    multimodal_inputs: dict[str, Any] | None = None
-    multimodal_train_inputs: dict[str, Any] | None = None
-    response: str = ""
-    response_length: int = 0
-    label: str | None = None
-    reward: float | dict[str, Any] | None = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    rollout_routed_experts: list[list[int]] | None = None
-    remove_sample: bool = False
-    teacher_log_probs: list[float] | None = None
-    mopd_teacher_log_probs: dict[str, list[float]] | None = None
-
-    class Status(Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    status: Status = Status.PENDING
-    metadata: dict = field(default_factory=dict)
-    generate_function_path: str | None = None
-    train_metadata: dict | None = None
-    session_id: str | None = None
-    non_generation_time: float = 0.0
-
-    @dataclass
-    class SpecInfo:
-        spec_accept_token_num: int = 0
-        spec_draft_token_num: int = 0
-        spec_verify_ct: int = 0
-        completion_token_num: int = 0
-
-    spec_info: SpecInfo = field(default_factory=SpecInfo)
-
-    @dataclass
-    class PrefixCacheInfo:
-        cached_tokens: int = 0
-        total_prompt_tokens: int = 0
-
-    prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
 
 
 def test_spec_info_field_names_match_slime():
@@ -180,6 +134,12 @@ class Wrapper(nn.Module):  # DDP / Float16Module: the model under .module
         return self.module(*a, **kw)
 
 
+def make_config(draft_dir, url, **kw) -> sl.SlimeSpecConfig:
+    kw = {"min_buffer_records": 2, "max_draft_steps": 3, "time_budget_s": 30.0, "hold_shared_draft_names": True,
+          "online": OnlineDraftConfig(batch_size=2, ttt_steps=2)} | kw
+    return sl.SlimeSpecConfig(draft_path=str(draft_dir), engine_urls=[url], **kw)
+
+
 @pytest.fixture
 def setup(tmp_path):
     torch.manual_seed(0)
@@ -191,16 +151,14 @@ def setup(tmp_path):
     draft.set_vocab(*build_draft_vocab(torch.randint(0, 100, (V,)), V, VD))
     save_draft(draft, tmp_path / "draft")
     server = FakeSGLang({"lm_head.weight": torch.zeros(V, H)}, draft_state_dict_for_sglang(draft))
-    config = sl.SlimeSpecConfig(draft_path=str(tmp_path / "draft"), engine_urls=[server.url], min_buffer_records=2,
-                                max_draft_steps=3, time_budget_s=30.0, hold_shared_draft_names=True,
-                                online=OnlineDraftConfig(batch_size=2, ttt_steps=2))
+    config = make_config(tmp_path / "draft", server.url)
     engine = SGLangEngine(SGLangEngineConfig(base_url=server.url, serializer=json_serializer,
                                              hold_shared_draft_names=True))
     args = SimpleNamespace(num_layers=L, padded_vocab_size=V)
-    rt = sl.SlimeSpecRuntime(config, args, [Wrapper(gpt)], engines=[engine])
-    sl.configure(config, rt)
-    yield SimpleNamespace(gpt=gpt, model=[Wrapper(gpt)], args=args, rt=rt, server=server, taps=taps, config=config)
-    rt.tap.remove()
+    model = [Wrapper(gpt)]
+    ad = sl.SlimeAdapter(config, args, model, engines=[engine])
+    sl.configure(config, ad)
+    yield SimpleNamespace(gpt=gpt, model=model, args=args, ad=ad, server=server, taps=taps, config=config)
     sl.configure(None)
     server.close()
 
@@ -209,8 +167,26 @@ def packed_forward(model, seqs):
     ids = torch.cat([torch.tensor(s) for s in seqs])[None]
     bounds = torch.tensor([0] + list(torch.tensor([len(s) for s in seqs]).cumsum(0)), dtype=torch.int32)
     with torch.no_grad():
-        model[0](input_ids=ids, position_ids=None, attention_mask=None, labels=None,
-                 packed_seq_params=SimpleNamespace(cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
+        return model[0](input_ids=ids, position_ids=None, attention_mask=None, labels=None,
+                        packed_seq_params=SimpleNamespace(cu_seqlens_q=bounds, cu_seqlens_kv=bounds))
+
+
+def capture_rollout(s, n_forwards=2, seed=1):
+    """The actor's log-prob pass of one rollout: two packed forwards of two random sequences."""
+    g = torch.Generator().manual_seed(seed)
+    sl.before_log_prob_hook(s.args, s.model, "")
+    for _ in range(n_forwards):
+        packed_forward(s.model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
+
+
+def buffered(ad) -> list[dict]:
+    return ad.cotrain.buffer.state_dict(include_tensors=True)["entries"]
+
+
+def draft_pushes(server) -> list[str]:
+    """weight_version of every draft tensor update the server received, in order."""
+    return [b["weight_version"] for e, b in server.requests
+            if e == "update_weights_from_tensor" and b.get("selector") == "draft"]
 
 
 def test_default_taps_reuse_the_policy_rule():
@@ -220,54 +196,64 @@ def test_default_taps_reuse_the_policy_rule():
     assert sl.default_tap_layers(4) == (1, 2, 3)
 
 
+def test_the_adapter_is_a_spec_cotrainer_wired_through_the_protocols(setup):
+    from rollout.protocol import DraftReceiver, FeatureSource
+    from specrl.cotrain import SpecCoTrainer
+
+    ad = setup.ad
+    assert isinstance(ad.cotrain, SpecCoTrainer) and ad.cotrain.engine is ad.engines and ad.cotrain.trainer is ad.tap
+    assert isinstance(ad.engines, DraftReceiver) and isinstance(ad.tap, FeatureSource)
+    assert ad.tap.layer_ids == tuple(ad.cotrain.draft.cfg.aux_layer_ids) == setup.taps
+    assert draft_pushes(setup.server) == ["draft-0"]  # install_draft: the engines start from the trainer's weights
+
+
 def test_log_prob_hook_captures_fused_features_of_the_actor_pass_only(setup):
     s = setup
     seqs = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
     sl.before_log_prob_hook(s.args, s.model, "ref_")  # reference model pass: not captured
     packed_forward(s.model, seqs)
-    assert s.rt.tap.records == []
+    assert len(s.ad.cotrain.buffer) == 0
     sl.before_log_prob_hook(s.args, s.model, "")
     packed_forward(s.model, seqs)
-    recs = s.rt.tap.records
+    recs = buffered(s.ad)
     assert [r["input_ids"].tolist() for r in recs] == seqs
     fused = torch.cat([s.gpt.taps[i] for i in s.taps], dim=-1)[:, 0]  # (total, 3H)
     assert torch.allclose(recs[0]["features"].float(), fused[:5], atol=1e-2)
     assert torch.allclose(recs[1]["features"].float(), fused[5:], atol=1e-2)
     assert recs[1]["features"].dtype == torch.float16 and recs[1]["loss_mask"].tolist() == [False] + [True] * 6
-    s.rt.tap.set_response_lengths([2, 3])
+    assert recs[0]["target_logp"] is None  # Megatron's logits are vocabulary-parallel: hard labels
+    s.ad.tap.set_response_lengths([2, 3])
     packed_forward(s.model, seqs)
-    assert s.rt.tap.records[2]["loss_mask"].tolist() == [False, False, False, True, True]
+    assert buffered(s.ad)[2]["loss_mask"].tolist() == [False, False, False, True, True]
 
 
 def test_train_step_hook_trains_and_pushes_the_draft_once_per_rollout(setup):
     s = setup
     before = {k: v.clone() for k, v in s.server.draft.items()}
-    sl.before_log_prob_hook(s.args, s.model, "")
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        packed_forward(s.model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
+    capture_rollout(s)
     sl.before_train_step_hook(s.args, 0, 0, s.model, None, None)
-    m = s.rt.metrics
-    assert not s.rt.tap.armed and m["buffer/entries"] == 4 and m["train/draft_faults"] == 0
+    m = s.ad.metrics
+    assert not s.ad.tap.armed and m["buffer/entries"] == 4 and m["train/draft_faults"] == 0
     assert m["train/draft_version"] == m["train/draft_steps"] > 0 and m["train/draft_loss"] > 0
+    assert m["train/feature_tap_faults"] == 0 and s.ad.cotrain.policy_version == 1
     assert not torch.equal(s.server.draft["model.fc.weight"], before["model.fc.weight"])
     # selector="draft" (sglang 0.5.23): the draft's lm_head goes to the draft runner only
     assert not torch.equal(s.server.draft["lm_head.weight"], before["lm_head.weight"])
     assert {b.get("selector") for e, b in s.server.requests if e == "update_weights_from_tensor"} == {"draft"}
     assert torch.equal(s.server.target["lm_head.weight"], torch.zeros(V, H))  # the policy is untouched
+    assert draft_pushes(s.server) == ["draft-0", f"draft-{m['train/draft_version']}"]
     n = len(s.server.requests)
     sl.before_train_step_hook(s.args, 0, 1, s.model, None, None)  # later steps of the same rollout: nothing
     assert len(s.server.requests) == n
 
 
-def test_draft_failure_does_not_stop_the_rl_step(setup):
+def test_failed_push_does_not_stop_the_rl_step(setup):
     s = setup
+    capture_rollout(s)
     s.server.close()  # engine unreachable: the push fails
-    sl.before_log_prob_hook(s.args, s.model, "")
-    packed_forward(s.model, [[1, 2, 3, 4], [5, 6, 7, 8, 9]])
-    with pytest.warns(RuntimeWarning, match="draft step skipped"):
+    with pytest.warns(RuntimeWarning, match="draft hot swap to version .* failed .*1 of 1 engines"):
         sl.before_train_step_hook(s.args, 0, 0, s.model, None, None)
-    assert s.rt.metrics["train/draft_faults"] == 1
+    assert s.ad.metrics["train/draft_faults"] == 1
 
 
 def test_config_from_json_and_init(tmp_path, monkeypatch):
@@ -276,11 +262,18 @@ def test_config_from_json_and_init(tmp_path, monkeypatch):
     monkeypatch.setenv(sl.CONFIG_ENV, str(path))
     sl.megatron_init(SimpleNamespace())
     try:
-        assert sl._STATE["config"].online.lr == 0.01 and sl._STATE["config"].capture_prefixes == ("",)
+        config = sl._STATE["config"]
+        assert config.online.lr == 0.01 and config.capture_prefixes == ("",)
+        cot = config.cotrain_config()
+        assert cot.mode == "online" and cot.feature_source == "trainer" and cot.online.lr == 0.01
+        assert cot.scheduler.windows == ("between",) and cot.scheduler.max_budget_s == config.time_budget_s
     finally:
         sl.configure(None)
     path.write_text(json.dumps({"draft_path": "/d", "drafts": 1}))
     with pytest.raises(ValueError, match=r"unknown SlimeSpecConfig keys \['drafts'\]"):
+        sl.megatron_init(SimpleNamespace())
+    path.write_text(json.dumps({"draft_path": "/d", "buffer_bytes": 0}))
+    with pytest.raises(ValueError, match="buffer_bytes"):
         sl.megatron_init(SimpleNamespace())
     monkeypatch.delenv(sl.CONFIG_ENV)
     with pytest.raises(ValueError, match="SPECRL_SLIME_CONFIG"):
@@ -289,112 +282,122 @@ def test_config_from_json_and_init(tmp_path, monkeypatch):
         sl.before_log_prob_hook(SimpleNamespace(), [Wrapper(GPTModel())], "")
 
 
-def test_feature_tap_fault_never_reaches_the_host_forward(setup):
+def test_tensor_parallel_shard_is_refused_in_one_line(setup):
+    s = setup
+    with pytest.raises(ValueError, match="needs tensor parallel 1: this rank's embedding holds 48 of 96 rows"):
+        sl.SlimeAdapter(s.config, SimpleNamespace(num_layers=L, padded_vocab_size=2 * V), s.model, engines=[object()])
+
+
+def test_a_draft_rank_outside_the_job_is_refused(setup):
+    config = make_config(setup.config.draft_path, setup.server.url, draft_rank=1)
+    with pytest.raises(ValueError, match=r"draft_rank 1 is not a data-parallel rank of this job \(0..0\)"):
+        sl.SlimeAdapter(config, setup.args, setup.model, engines=[object()])
+
+
+def _raise(err):
+    def broken(*a, **k):
+        raise err
+    return broken
+
+
+@pytest.mark.parametrize("where, err", [
+    ("features", RuntimeError("injected tap failure")),  # reading the taps inside Megatron's forward
+    ("store", torch.OutOfMemoryError("CUDA out of memory (injected)")),  # storing the record
+], ids=["tap-exception", "tap-oom"])
+def test_feature_tap_fault_never_reaches_the_host_forward(setup, where, err):
     s = setup
     seqs = [[3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14]]
+    target = s.ad.tap.layers if where == "features" else s.ad.cotrain.buffer
+    name = "features" if where == "features" else "add"
+    setattr(target, name, _raise(err))  # the capture fails inside Megatron's forward
     sl.before_log_prob_hook(s.args, s.model, "")
-
-    def broken(*a, **k):
-        raise RuntimeError("injected tap failure")
-
-    s.rt.tap.layers.features = broken  # the capture fails inside Megatron's forward
-    ids = torch.cat([torch.tensor(x) for x in seqs])[None]
-    with pytest.warns(RuntimeWarning, match="feature tap disabled for this step: RuntimeError: injected"):
-        with torch.no_grad():
-            logits = s.model[0](input_ids=ids, packed_seq_params=SimpleNamespace(
-                cu_seqlens_q=torch.tensor([0, 5, 12], dtype=torch.int32)))
-    assert logits.shape == (1, 12, V)  # the host forward completed with its own output
-    assert s.rt.tap.faults == 1 and not s.rt.tap.armed and s.rt.tap.records == []
-    del s.rt.tap.layers.features  # the next step captures again
-    sl.before_log_prob_hook(s.args, s.model, "")
-    packed_forward(s.model, seqs)
-    assert len(s.rt.tap.records) == 2
+    with pytest.warns(RuntimeWarning, match=f"feature tap disabled for this step: {type(err).__name__}: "):
+        logits = packed_forward(s.model, seqs)
+    with torch.no_grad():
+        assert torch.equal(logits, s.model[0](input_ids=torch.tensor([sum(seqs, [])])))  # the host's own output
+    assert s.ad.tap.faults == 1 and not s.ad.tap.armed and len(s.ad.cotrain.buffer) == 0
+    delattr(target, name)
+    n = len(s.server.requests)
+    sl.before_train_step_hook(s.args, 0, 0, s.model, None, None)  # co-training skips this rollout
+    assert s.ad.metrics["train/feature_tap_faults"] == 1 and s.ad.metrics["train/draft_steps"] == 0
+    assert len(s.server.requests) == n
+    capture_rollout(s)  # the next rollout captures and trains again
+    sl.before_train_step_hook(s.args, 1, 0, s.model, None, None)
+    assert len(s.ad.cotrain.buffer) == 4 and s.ad.metrics["train/draft_steps"] > 0
 
 
 def test_draft_oom_skips_co_training_and_the_train_step_goes_on(setup):
     s = setup
-    g = torch.Generator().manual_seed(1)
-    for _ in range(2):
-        sl.before_log_prob_hook(s.args, s.model, "")
-        packed_forward(s.model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
-
-    def oom(*a, **k):
-        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-
-    s.rt.trainer.train_step = oom
+    capture_rollout(s)
+    s.ad.cotrain.draft_trainer.train_step = _raise(torch.OutOfMemoryError("CUDA out of memory (injected)"))
     n = len(s.server.requests)
-    with pytest.warns(RuntimeWarning, match="draft step skipped .*OutOfMemoryError"):
+    with pytest.warns(RuntimeWarning, match=r"draft training step failed and was skipped \(OutOfMemoryError"):
         sl.before_train_step_hook(s.args, 0, 0, s.model, None, None)
-    m = s.rt.metrics
-    assert m["train/draft_faults"] == 1 and len(s.server.requests) == n  # nothing pushed
-    del s.rt.trainer.train_step
+    assert s.ad.metrics["train/draft_faults"] == 1 and len(s.server.requests) == n  # nothing pushed
+    del s.ad.cotrain.draft_trainer.train_step
     with torch.no_grad():  # the host's next forward is unaffected
         assert s.model[0](input_ids=torch.tensor([[3, 4, 5]])).shape == (1, 3, V)
+    capture_rollout(s, seed=2)  # and the next rollout trains and pushes again
+    sl.before_train_step_hook(s.args, 1, 0, s.model, None, None)
+    assert s.ad.metrics["train/draft_version"] > 0 and len(draft_pushes(s.server)) == 2
 
 
-def test_captured_records_are_bounded(setup):
+def test_captured_records_live_in_the_byte_budgeted_buffer(setup, tmp_path):
     s = setup
-    s.rt.tap.max_records = 3
-    sl.before_log_prob_hook(s.args, s.model, "")
-    packed_forward(s.model, [[3, 4, 5], [6, 7, 8], [9, 10, 11], [12, 13, 14]])
-    packed_forward(s.model, [[3, 4, 5]])
-    assert len(s.rt.tap.records) == 3 and s.rt.tap.dropped == 2
+    sl.configure(None)
+    budget = 4 * 9 * (3 * H * 2 + 8 + 1)  # four 9-token records: fp16 features, int64 ids, bool mask
+    engine = SGLangEngine(SGLangEngineConfig(base_url=s.server.url, serializer=json_serializer,
+                                             hold_shared_draft_names=True))
+    ad = sl.SlimeAdapter(make_config(s.config.draft_path, s.server.url, buffer_bytes=budget), s.args, s.model,
+                         engines=[engine])
+    sl.configure(s.config, ad)
+    s.ad = ad
+    for seed in range(3):
+        capture_rollout(s, n_forwards=3, seed=seed)
+    buf = ad.cotrain.buffer
+    assert buf.nbytes <= budget and len(buf) < 18 and buf.counters["evicted"] > 0
 
 
-def _dp_worker(url: str, draft_dir: str, out_dir: str) -> None:
+# ------------------------------------------------------------------ data parallel: two gloo processes
+def _dp_worker(url: str, draft_dir: str, out_dir: str, rank: str) -> None:
     """One data-parallel rank of a slime job (run as a subprocess by the test below)."""
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo")
-    rank = torch.distributed.get_rank()
+    rank = int(rank)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{out_dir}/rendezvous", world_size=2, rank=rank)
     torch.manual_seed(0)
-    gpt = GPTModel().eval()
-    config = sl.SlimeSpecConfig(draft_path=draft_dir, engine_urls=[url], min_buffer_records=2, max_draft_steps=2,
-                                time_budget_s=30.0, online=OnlineDraftConfig(batch_size=2, ttt_steps=2))
+    s = SimpleNamespace(gpt=GPTModel().eval(), args=SimpleNamespace(num_layers=L, padded_vocab_size=V))
+    s.model = [Wrapper(s.gpt)]
+    config = make_config(draft_dir, url, max_draft_steps=2, hold_shared_draft_names=False)
     engine = SGLangEngine(SGLangEngineConfig(base_url=url, serializer=json_serializer))
-    args = SimpleNamespace(num_layers=L, padded_vocab_size=V)
-    model = [Wrapper(gpt)]
-    sl.configure(config, sl.SlimeSpecRuntime(config, args, model, engines=[engine]))
-    g = torch.Generator().manual_seed(10 + rank)  # each rank its own share of the data
-    for _ in range(2):
-        sl.before_log_prob_hook(args, model, "")
-        packed_forward(model, [torch.randint(0, V, (n,), generator=g).tolist() for n in (6, 9)])
-    rt = sl.runtime()
-    captured = len(rt.tap.records)
-    sl.before_train_step_hook(args, 0, 0, model, None, None)
-    torch.distributed.barrier()
+    sl.configure(config, sl.SlimeAdapter(config, s.args, s.model, engines=[engine]))
+    for rollout in range(2):
+        capture_rollout(s, seed=10 + 2 * rollout + rank)  # each rank its own share of the data
+        sl.before_train_step_hook(s.args, rollout, 0, s.model, None, None)
+        torch.distributed.barrier()
+    ad = sl.adapter()
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(
-        {"captured": captured, "version": rt.trainer.version, "dp_rank": rt.dp_rank, "trains": rt.trains}))
+        {"dp_rank": ad.dp_rank, "trains": ad.trains, "has_cotrainer": ad.cotrain is not None,
+         "version": None if ad.cotrain is None else ad.cotrain.draft_trainer.version,
+         "buffer": None if ad.cotrain is None else len(ad.cotrain.buffer)}))
     torch.distributed.destroy_process_group()
 
 
 def test_one_draft_per_job_across_two_gloo_ranks(setup, tmp_path):
-    import os
-    import socket
-    import subprocess
-    import sys
-
     s = setup
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
-    procs = [subprocess.Popen([sys.executable, __file__, s.server.url, s.config.draft_path, str(tmp_path)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
+    n0 = len(draft_pushes(s.server))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    procs = [subprocess.Popen([sys.executable, __file__, s.server.url, s.config.draft_path, str(tmp_path), str(r)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     for p in procs:
         out, _ = p.communicate(timeout=240)
         assert p.returncode == 0, out.decode()[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["dp_rank"] for r in ranks] == [0, 1] and [r["trains"] for r in ranks] == [True, False]
-    assert ranks[0]["captured"] == 4 and ranks[0]["version"] > 0
-    assert ranks[1]["captured"] == 0 and ranks[1]["version"] == 0
-    pushes = [b for e, b in s.server.requests if e == "begin_weight_update"]
-    assert pushes == [{"selector": "draft"}]  # one push, from rank 0, for the whole job
+    assert ranks[0]["has_cotrainer"] and ranks[0]["buffer"] == 8 and ranks[0]["version"] == 4
+    assert not ranks[1]["has_cotrainer"]  # rank 1 holds no draft: nothing to diverge, nothing to push
+    # one writer: rank 0's install (version 0), then exactly one push per update window
+    assert draft_pushes(s.server)[n0:] == ["draft-0", "draft-2", "draft-4"]
 
 
 if __name__ == "__main__":
-    import sys
-
-    _dp_worker(*sys.argv[1:4])
+    _dp_worker(*sys.argv[1:5])

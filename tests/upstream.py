@@ -1,4 +1,4 @@
-"""Importing the real upstream packages in the lane tests (sglang, verl).
+"""Importing the real upstream packages in the lane tests (sglang, verl, miles).
 
 A lane test must FAIL when its lane runs (`SPECRL_LANE` names it) and the package is missing, and
 skip elsewhere (the base lane has none of these packages).
@@ -47,3 +47,8 @@ def import_sglang(module: str):
 def import_verl(module: str):
     """`module` from the installed verl (the verl lane installs 0.9.1)."""
     return _lane_import("verl", module)
+
+
+def import_miles(module: str):
+    """`module` from the installed Miles (the miles lane installs miles-rl 0.0.2)."""
+    return _lane_import("miles", module)

@@ -1,14 +1,15 @@
-"""slime's trainer side, part 1: capture EAGLE-3 records from Megatron's log-prob forward.
+"""slime's trainer side, part 1: a `rollout.protocol.FeatureSource` over Megatron's log-prob forward.
 
 Why a module of its own: the capture runs inside the host's forward, so it carries the strictest
-rule (never raise into it) and its own memory bound; the layer hooks themselves are
-`target_training.megatron_backend.FeatureTaps`, the one Megatron feature tap. Re-exported by
-`specrl.integrations.slime`.
+rule (never raise into it); the layer hooks themselves are
+`target_training.megatron_backend.FeatureTaps`, the one Megatron feature tap. Where the records go
+(the co-trainer's byte-budgeted `FeatureBuffer`) is decided by whoever registers the hook
+(`SpecCoTrainer.attach`). Re-exported by `specrl.integrations.slime`.
 """
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -31,42 +32,62 @@ def unwrap(chunk):
     return m
 
 
-class FeatureTap:
-    """Captures EAGLE-3 training records from the log-prob forward of a Megatron GPTModel.
+class TapOutput:
+    """What a feature hook reads of one captured sequence (the slice of `target_training.model.
+    ModelOutput` that `FeatureBuffer.logprob_hook` uses): its fused taps, and no logits, since
+    Megatron's are vocabulary-parallel; the buffer then stores hard labels."""
 
-    The three tap layers are read by `target_training.megatron_backend.FeatureTaps` (the one
-    Megatron feature tap); this class adds what slime's forward needs: slime packs sequences into
-    batch 1 and passes `packed_seq_params.cu_seqlens_q`, so while armed every forward adds one
-    record per packed sequence: input_ids (T,), fused features (T, 3H) in half precision, and a
-    loss mask (every token but the first, or only the last `response_lengths[i]` tokens when given).
+    logits = None
+
+    def __init__(self, features: torch.Tensor):
+        self._features = features
+
+    def features(self, layer_ids: Sequence[int]) -> torch.Tensor:
+        return self._features
+
+
+class FeatureTap:
+    """A FeatureSource over the log-prob forward of a Megatron GPTModel (slime's actor pass).
+
+    `add_feature_hook(layer_ids, hook)` taps the three layers with `FeatureTaps`; while armed,
+    every forward calls hook(input_ids (1, T), TapOutput (fused features (1, T, 3H)), loss mask
+    (1, T)) once per packed sequence: slime packs sequences into batch 1 and passes
+    `packed_seq_params.cu_seqlens_q`. The loss mask covers every token but the first, or only the
+    last `response_lengths[i]` tokens when given.
 
     Fault isolation: the hooks run inside the host's forward and never raise into it. A capture
-    that fails (unexpected shapes, a layer that did not run, ...) disarms the tap, so co-training
-    skips that step, and is counted in `faults` with the error in `last_error`. Memory is bounded:
-    at most `max_records` records wait to be drained; later ones are dropped and counted in
-    `dropped`."""
+    or a hook that fails (unexpected shapes, a layer that did not run, an OOM while storing) disarms
+    the tap for the rest of the step, warns once, and is counted in `faults` with the error in
+    `last_error`; the host's forward returns its own output unchanged."""
 
-    def __init__(self, gpt_model, layer_ids: Sequence[int], seq_first: bool = True,
-                 feature_dtype: torch.dtype = torch.float16, max_records: int = 4096):
-        if max_records <= 0:
-            raise ValueError(f"max_records must be positive, got {max_records}")
-        self.model, self.layer_ids = gpt_model, tuple(int(i) for i in layer_ids)
-        self.seq_first, self.feature_dtype, self.max_records = seq_first, feature_dtype, int(max_records)
-        try:
-            self.layers = FeatureTaps(gpt_model, self.layer_ids, seq_first=seq_first, when=lambda: self.armed)
-        except MegatronBackendError as e:
-            raise ValueError(str(e)) from None
+    def __init__(self, gpt_model, seq_first: bool = True):
+        self.model, self.seq_first = gpt_model, seq_first
+        self.layers: FeatureTaps | None = None
+        self.layer_ids: tuple[int, ...] = ()
+        self.hook: Callable | None = None
         self.armed = False
-        self.records: list[dict] = []
         self.response_lengths: list[int] | None = None
-        self.faults, self.dropped, self.last_error = 0, 0, None
+        self.faults, self.last_error = 0, None
         self._cursor = 0  # next entry of response_lengths
         self._inputs: tuple | None = None
-        self._handles = [gpt_model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-                         gpt_model.register_forward_hook(self._post_hook)]
+        self._handles = []
+
+    def add_feature_hook(self, layer_ids: tuple[int, ...], hook: Callable) -> None:
+        if self.hook is not None:
+            raise ValueError("FeatureTap feeds one hook (the co-trainer's buffer); it already has one")
+        try:
+            self.layers = FeatureTaps(self.model, layer_ids, seq_first=self.seq_first, when=lambda: self.armed)
+        except MegatronBackendError as e:
+            raise ValueError(str(e)) from None
+        self.layer_ids, self.hook = tuple(int(i) for i in layer_ids), hook
+        self._handles = [self.model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
+                         self.model.register_forward_hook(self._post_hook)]
 
     def arm(self) -> None:
-        self.armed = True
+        self.armed = self.hook is not None
+
+    def disarm(self) -> None:
+        self.armed = False
 
     def set_response_lengths(self, lengths: Sequence[int] | None) -> None:
         """Response lengths of the next captured sequences, in forward order (a trainer-side patch
@@ -74,11 +95,9 @@ class FeatureTap:
         self.response_lengths = None if lengths is None else [int(n) for n in lengths]
         self._cursor = 0
 
-    def disarm(self) -> None:
-        self.armed = False
-
     def remove(self) -> None:
-        self.layers.remove()
+        if self.layers is not None:
+            self.layers.remove()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -107,13 +126,13 @@ class FeatureTap:
             return
         try:
             self._capture()
-        except Exception as e:  # noqa: BLE001 - never raise into the host forward
+        except Exception as e:  # noqa: BLE001 - never raise into the host forward (OOM included)
             self._fault(e)
 
     def _capture(self) -> None:
         ids, cu = self._inputs
         self._inputs = None
-        if len(self.layers.taps) != len(self.layer_ids):
+        if len(self.layers.taps) != len(set(self.layer_ids)):
             raise RuntimeError(f"feature tap saw layers {sorted(self.layers.taps)} of {self.layer_ids} in one forward")
         feats = self.layers.features().detach()  # (batch, seq, 3H) when seq_first
         self.layers.clear()
@@ -126,20 +145,13 @@ class FeatureTap:
         else:
             spans = [(r, 0, ids.shape[1]) for r in range(ids.shape[0])]
         for row, a, b in spans:
-            T = b - a
-            mask = torch.zeros(T, dtype=torch.bool)
-            if self.response_lengths is not None and self._cursor < len(self.response_lengths):
-                mask[T - min(T - 1, self.response_lengths[self._cursor]):] = True
-                self._cursor += 1
-            else:
-                mask[1:] = True
-            if len(self.records) >= self.max_records:
-                self.dropped += 1
-                continue
-            self.records.append({"input_ids": ids[row, a:b].cpu(), "loss_mask": mask,
-                                 "features": feats[row, a:b].to("cpu", self.feature_dtype), "target_logp": None})
+            self.hook(ids[row, a:b][None], TapOutput(feats[row, a:b][None]), self._loss_mask(b - a)[None])
 
-    def drain(self) -> list[dict]:
-        out, self.records = self.records, []
-        self.set_response_lengths(None)
-        return out
+    def _loss_mask(self, T: int) -> torch.Tensor:
+        mask = torch.zeros(T, dtype=torch.bool)
+        if self.response_lengths is not None and self._cursor < len(self.response_lengths):
+            mask[T - min(T - 1, self.response_lengths[self._cursor]):] = True
+            self._cursor += 1
+        else:
+            mask[1:] = True
+        return mask
