@@ -95,6 +95,11 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
                                    cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
                       eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
                       reference_every=1),
+    # "ci" on the quick model (vLLM's CPU attention needs head_dim >= 32): the vLLM lane's run
+    "ci-vllm": DriftPreset(rl=_drift_rl("ci-vllm", rl_steps=2, task_kwargs=RL_PRESETS["drift"].task_kwargs,
+                                        cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
+                           eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
+                           reference_every=1),
     "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                      cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64,
@@ -134,7 +139,7 @@ class DriftEvaluator(RLCallback):
     # -- callbacks ---------------------------------------------------------------------------
     def on_start(self, run: RLRun) -> None:
         self.start_policy = copy.deepcopy(run.policy).eval()
-        self.frozen_draft = copy.deepcopy(run.cotrain.speculator.draft)
+        self.frozen_draft = copy.deepcopy(self.online_draft(run))
         examples = run.task.examples("heldout", self.preset.eval_prompts, run.seed + 11)
         self.prompts = encode_prompts(run.tokenizer, examples)
         self.evaluate(run, step=0)
@@ -149,14 +154,23 @@ class DriftEvaluator(RLCallback):
         self.speed_rows = self.speed_vs_batch(run)
 
     # -- measurement -------------------------------------------------------------------------
+    def eval_params(self, run: RLRun):
+        """How the arms decode: sampled at the rollout temperature (counter-based noise makes
+        every lossless arm emit the same tokens)."""
+        return rollout_params(run.preset, run.tokenizer, run.seed)
+
     def drafts(self, run: RLRun, step: int, final: bool) -> dict:
-        arms = {"plain": None, "frozen": self.frozen_draft, "online": run.cotrain.speculator.draft}
+        arms = {"plain": None, "frozen": self.frozen_draft, "online": self.online_draft(run)}
         every = self.preset.reference_every
         if final or (every and self.points % every == 0):
             # step 0: the starting draft is the offline recipe on the current policy already
             self.reference_draft = self.frozen_draft if step == 0 else self.train_reference(run)
             arms["reference"] = self.reference_draft
         return arms
+
+    def online_draft(self, run: RLRun):
+        """The engine's hot-swapped copy of the co-trained draft."""
+        return run.cotrain.speculator.draft
 
     def train_reference(self, run: RLRun):
         cfg = run.preset.draft
@@ -166,14 +180,14 @@ class DriftEvaluator(RLCallback):
 
     def evaluate(self, run: RLRun, step: int, final: bool = False) -> None:
         run.policy.eval()
-        params = rollout_params(run.preset, run.tokenizer, run.seed)
+        params = self.eval_params(run)
         results = self.time_arms(run, self.drafts(run, step, final), self.preset.eval_batch, self.prompts, params)
         self.points += 1
         plain = results.pop("plain")
         self.rows.append({"step": step, "arm": "plain", "tokens": plain["tokens"],
                           "tokens_per_s": plain["tokens_per_s"], "mean_response_len": plain["tokens"] / len(self.prompts),
                           "kl_from_start": policy_kl(run.policy, self.start_policy, plain["trajectories"],
-                                                     params.temperature)})
+                                                     run.preset.temperature)})
         for arm, r in results.items():
             if [t.token_ids for t in r["trajectories"]] != [t.token_ids for t in plain["trajectories"]]:
                 raise RuntimeError(f"arm {arm!r} changed the generated tokens at step {step}")  # lossless or bust
@@ -199,7 +213,7 @@ class DriftEvaluator(RLCallback):
     def speed_vs_batch(self, run: RLRun) -> list[dict]:
         """Speed-up of each draft over plain decoding at several batch sizes, final policy."""
         params = rollout_params(run.preset, run.tokenizer, run.seed)
-        arms = {"plain": None, "frozen": self.frozen_draft, "online": run.cotrain.speculator.draft,
+        arms = {"plain": None, "frozen": self.frozen_draft, "online": self.online_draft(run),
                 "reference": self.reference_draft}
         rows = []
         spec = run.preset.cotrain.spec
@@ -209,7 +223,7 @@ class DriftEvaluator(RLCallback):
             # the online draft under the adaptive controller (plain decoding where speculation does not pay),
             # like for like: it may pick any chain length up to the other arms' gamma, and its statistics
             # are warmed on other prompts before the timed runs
-            arms["adaptive"] = Speculator(run.cotrain.speculator.draft, spec)
+            arms["adaptive"] = Speculator(self.online_draft(run), spec)
             arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
             prompts = (self.prompts * (1 + (2 * b) // len(self.prompts)))[: max(2 * b, 4)]
             warm = (warm_pool * (1 + (2 * b) // len(warm_pool)))[: max(2 * b, 4)]
@@ -219,6 +233,10 @@ class DriftEvaluator(RLCallback):
             rows += [{"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}
                      for arm, r in results.items()]
         return rows
+
+    def summary_notes(self) -> dict:
+        """Engine-specific facts for summary.json (how the arms decoded)."""
+        return {"eval_decoding": "sampled at the rollout temperature"}
 
     def _log_point(self, step: int) -> None:
         pts = [r for r in self.rows if r["step"] == step]
@@ -273,23 +291,38 @@ def deterministic_part(summary: dict) -> dict:
 
 
 def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
-              progress: bool = True, plots: bool = True, reference_every: int | None = None, log=print) -> dict:
+              progress: bool = True, plots: bool = True, reference_every: int | None = None,
+              engine: str = "embedded", rl_steps: int | None = None, log=print) -> dict:
+    """The experiment on `engine` ("embedded", or "vllm": experiments.drift_vllm). `rl_steps`
+    shortens the preset's RL run (evaluation points stay every `eval_every` steps and at the end)."""
     t0 = time.perf_counter()
     preset = preset if isinstance(preset, DriftPreset) else get_drift_preset(preset)
     if reference_every is not None:
         preset = dataclasses.replace(preset, reference_every=reference_every)  # validated by DriftPreset
+    if rl_steps is not None:
+        preset = dataclasses.replace(preset, rl=preset.rl.with_overrides(rl_steps=rl_steps))  # validated by RunPreset
     out = Path(out_dir)
     if (out / "summary.json").exists() or (out / "rl").exists():
         raise DriftError(f"output folder {out} already holds a drift run; choose another --out")
+    if engine == "vllm":
+        from experiments.drift_vllm import VLLMDriftEvaluator as evaluator_cls
+        from rollout.vllm_engine import require_vllm
+
+        require_vllm()  # one line naming the fix, before anything is trained
+    elif engine == "embedded":
+        evaluator_cls = DriftEvaluator
+    else:
+        raise DriftError(f"unknown engine {engine!r}; choose embedded or vllm")
     out.mkdir(parents=True, exist_ok=True)
-    evaluator = DriftEvaluator(preset, log=log)
+    evaluator = evaluator_cls(preset, log=log)
     rl_summary = train_rl(task, preset.rl, out / "rl", seed=seed, cache_dir=cache_dir, progress=progress,
-                          spec="online", callbacks=(evaluator,), log=log)
+                          spec="online", engine=engine, callbacks=(evaluator,), log=log)
     rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line]
     with open(out / "metrics.jsonl", "w") as f:
         for row in evaluator.rows:
             f.write(json.dumps(row) + "\n")
-    summary = summarize(evaluator, rl_rows, rl_summary, seed, time.perf_counter() - t0)
+    summary = {**summarize(evaluator, rl_rows, rl_summary, seed, time.perf_counter() - t0), "engine": engine,
+               **evaluator.summary_notes()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if plots:
         from experiments.plots import drift_plots

@@ -14,8 +14,10 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1, which this module sets before vLLM starts).
   target's verify logits). top-k/top-p would mask them, so they are refused.
 - Acceptance: vLLM's per-request speculative metrics ("detailed": accepted and drafted per
   verify step) become specrl's SpecStats.
-- Policy sync (`load_policy_weights`): the policy folder is rewritten and vLLM restarts from it
-  (with the engine's current draft) at its next use; see the method for why not in place.
+- Policy sync (`load_policy_weights`): in place in the live worker, through vLLM's layerwise
+  reload plus the MoE repacking step that vLLM 0.32 skips on a weight update on CPU
+  (`_moe_repack_on_reload`); or, with `policy_sync="restart"`, by rewriting the folder and
+  restarting vLLM at its next use.
 - Draft hot swap (`push_draft`): the same in-place reload on the worker's drafter model only.
   Before writing, the worker checks that no tensor it will write is shared with the target
   (vLLM shares the target's lm_head with a draft whose lm_head equals it), so a draft push never
@@ -28,6 +30,7 @@ import os
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -57,10 +60,13 @@ class VLLMEngineConfig:
     dtype: str = "float32"  # float32 keeps vLLM's numbers comparable to the trainer's
     enforce_eager: bool = True
     work_dir: str | None = None  # where the HF folders go (default: a temporary folder)
+    policy_sync: str = "inplace"  # "inplace": reload in the live worker; "restart": restart vLLM
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.kv_cache_bytes <= 0:
             raise VLLMEngineError("VLLMEngineConfig.max_batch and kv_cache_bytes must be positive")
+        if self.policy_sync not in ("inplace", "restart"):
+            raise VLLMEngineError(f"VLLMEngineConfig.policy_sync must be 'inplace' or 'restart', got {self.policy_sync!r}")
 
 
 def require_vllm():
@@ -112,8 +118,9 @@ def _models(worker):
 
 
 def _reload_in_worker(worker, blob: bytes, which: str) -> int:
-    """Reload the `which` ("policy" or "draft") model in place from a safetensors blob, after
-    checking that no tensor it will write is shared with the other model."""
+    """Reload the `which` ("policy" or "draft") model in place from a safetensors blob (HF names
+    for the policy, SGLang/vLLM EAGLE-3 names for the draft), after checking that no tensor it
+    will write is shared with the other model."""
     from safetensors.torch import load
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -134,9 +141,48 @@ def _reload_in_worker(worker, blob: bytes, which: str) -> int:
     from vllm.config import set_current_vllm_config
 
     tensors = load(blob)
-    with set_current_vllm_config(worker.vllm_config):  # as the worker's own reload_weights does
-        reload_weights(worker.vllm_config, mine, list(tensors.items()), None, True)
-    return len(tensors)
+    with set_current_vllm_config(worker.vllm_config), _moe_repack_on_reload(mine) as repacked:
+        reload_weights(worker.vllm_config, mine, list(tensors.items()), None, True)  # as the worker's own does
+    return {"tensors": len(tensors), "moe_layers_repacked": repacked}
+
+
+@contextmanager
+def _moe_repack_on_reload(model):
+    """Make vLLM 0.32's in-place reload of unquantized MoE experts exact on CPU.
+
+    Why: the unquantized fused-MoE method finishes a first load by letting the expert kernel
+    post-process the weights (on CPU: pad the intermediate size and prepack each expert into the
+    grouped-GEMM layout, same shape, reordered). On a weight update (its kernel already built)
+    `UnquantizedFusedMoEMethod._setup_kernel` copies the new weights into place and skips that
+    step, so the kernel reads checkpoint-layout numbers as if prepacked: no error, and tokens of
+    neither the old nor the new policy. For the length of one reload this runs the skipped step
+    after each MoE layer's update, exactly as the first load does; the layerwise reloader then
+    copies the prepacked result into the live tensors. Off CPU the step is left as vLLM has it."""
+    from vllm.platforms import current_platform
+
+    patched = []
+    if current_platform.is_cpu():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            if not hasattr(method, "moe_kernel"):
+                continue  # not a fused-MoE layer
+            if method.moe_kernel is None or not hasattr(method, "_setup_kernel"):
+                raise RuntimeError(f"cannot reload the MoE layer {type(module).__name__} in place exactly "
+                                   f"({type(method).__name__} is not the unquantized method this vLLM has); "
+                                   f"use VLLMEngineConfig(policy_sync='restart')")
+
+            def setup_then_repack(*args, _method=method, _setup=method._setup_kernel, **kwargs):
+                _setup(*args, **kwargs)
+                layer = kwargs["layer"] if "layer" in kwargs else args[0]
+                _method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+            method._setup_kernel = setup_then_repack  # an instance attribute over the class's method
+            patched.append(method)
+    try:
+        yield len(patched)
+    finally:
+        for method in patched:
+            del method._setup_kernel
 
 
 def _fingerprint_in_worker(worker) -> dict:
@@ -170,6 +216,8 @@ class VLLMEngine:
 
         self.policy_dir = save_hf_folder(policy, self.work_dir / "policy", dtype=getattr(torch, self.config.dtype))
         self._llm = None
+        self._pending_policy = None  # the last synced policy, when the folder does not hold it yet
+        self.last_sync: dict = {}
         self.draft = None  # the engine's copy of the draft it speculates with
         self.spec = None
         self._warned_sampling = False
@@ -188,6 +236,7 @@ class VLLMEngine:
 
     # -- engine lifecycle -------------------------------------------------------------------
     def _start(self) -> None:
+        self._write_policy_folder()
         kw = {}
         if self.draft is not None:
             folder = save_draft(self.draft, self.work_dir / "draft")
@@ -260,18 +309,37 @@ class VLLMEngine:
                           finish_reason=reason, request_id=rid, spec=spec)
 
     def load_policy_weights(self, state_dict: dict) -> None:
-        """Policy sync (specrl names): the HF folder is rewritten and vLLM restarts from it at its
-        next use, with the engine's current draft (so the sync cannot touch the draft).
-
-        Why a restart: vLLM 0.32's in-place layerwise reload of this MoE target on CPU was measured
-        to serve neither the old nor the new policy afterwards (tests/test_vllm_engine.py checks
-        what is served), while the same reload on the one-layer draft is exact."""
-        from target_training.hf_adapter import save_hf_folder
+        """Policy sync (specrl names). In place (the default): the worker reloads the target from
+        the policy's HF-named tensors (`_reload_in_worker`, which refuses to write any tensor the
+        draft owns, and `_moe_repack_on_reload`, which makes the MoE experts exact on CPU), then
+        the prefix cache is dropped; the HF folder is rewritten only when vLLM next restarts.
+        With `policy_sync="restart"`: the folder is rewritten now and vLLM restarts from it at
+        its next use, with the engine's current draft (tens of seconds on 2 CPU cores)."""
+        from target_training.hf_adapter import to_hf_disk_state_dict
 
         policy = self.cfg.build()
         policy.load_state_dict(state_dict)
-        self.shutdown()
-        self.policy_dir = save_hf_folder(policy, self.policy_dir, dtype=getattr(torch, self.config.dtype))
+        self._pending_policy = policy
+        t0 = time.perf_counter()
+        if self._llm is not None and self.config.policy_sync == "inplace":
+            tensors = {k: v.to(getattr(torch, self.config.dtype)) for k, v in to_hf_disk_state_dict(policy).items()}
+            if self.cfg.tie_embeddings:
+                tensors.pop("lm_head.weight", None)
+            done = self._llm.collective_rpc(_reload_in_worker, args=(_pack(tensors), "policy"))[0]
+            self._llm.reset_prefix_cache()  # cached KV came from the old policy
+            self.last_sync = {"mode": "inplace", "sync_s": time.perf_counter() - t0, **done}
+        else:
+            self.shutdown()
+            self._write_policy_folder()
+            self.last_sync = {"mode": "restart", "sync_s": time.perf_counter() - t0}  # + the next start
+
+    def _write_policy_folder(self) -> None:
+        """Bring the HF folder vLLM (re)starts from up to the last synced policy."""
+        from target_training.hf_adapter import save_hf_folder
+
+        if self._pending_policy is not None:
+            save_hf_folder(self._pending_policy, self.policy_dir, dtype=getattr(torch, self.config.dtype))
+            self._pending_policy = None
 
     # -- DraftReceiver (rollout.protocol) ----------------------------------------------------
     def install_draft(self, draft, spec=None, controller=None) -> None:

@@ -33,12 +33,16 @@ def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
 
 def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2) -> dict[str, dict]:
     """`timed_generate` for several engines, taking turns within each repeat, so a slow spell of
-    a noisy machine hits every engine alike instead of whichever ran during it."""
+    a noisy machine hits every engine alike instead of whichever ran during it. An engine with a
+    `ready()` method (an arm that shares a live engine with others and swaps its draft in) is
+    readied before each of its calls, outside the clock."""
     for engine in engines.values():
+        getattr(engine, "ready", lambda: None)()
         engine.generate(prompts[: min(len(prompts), 2)], params)
     best: dict[str, dict] = {}
     for _ in range(repeats):
         for name, engine in engines.items():
+            getattr(engine, "ready", lambda: None)()
             t0 = time.perf_counter()
             trajs = engine.generate(prompts, params)
             wall = time.perf_counter() - t0
@@ -210,11 +214,12 @@ def _fmt(v, spec: str = ".2f") -> str:
 
 
 def format_row(row: dict) -> str:
+    arm = f"{row['arm']} " if "arm" in row else ""  # rows of several engines name theirs
     if row["mode"] == "plain":
-        return f"batch {row['batch']:>3} plain: {row['tokens_per_s']:8.1f} tok/s"
+        return f"{arm}batch {row['batch']:>3} plain: {row['tokens_per_s']:8.1f} tok/s  x{row.get('speedup', 1.0):.2f}"
     tag = (f"adaptive g={row.get('controller_gamma')}" if row["mode"] == "adaptive"
            else f"{row['mode']} g={row['gamma']}" + (f" n={row['tree_budget']}" if row.get("tree_budget") else ""))
-    return (f"batch {row['batch']:>3} {tag:>14}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
+    return (f"{arm}batch {row['batch']:>3} {tag:>14}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
             f"tau {_fmt(row.get('accept_length'))}  alpha {_fmt(row.get('alpha'))}  c {_fmt(row.get('c'), '.3f')}  "
             f"verify {_fmt(row.get('verify_cost'))}  bound {_fmt(row.get('bound'))}  eff {_fmt(row.get('efficiency'))}  "
             f"identical {_fmt(row.get('identical_to_plain'))}")
@@ -237,6 +242,8 @@ def format_table(rows: list[dict]) -> str:
                 v = f"adaptive (g={r.get('controller_gamma')})"
             elif key == "mode" and r["mode"] != "plain":
                 v = f"{r['mode']} g={r['gamma']}" + (f" n={r['tree_budget']}" if r.get("tree_budget") else "")
+            if key == "mode" and "arm" in r:
+                v = f"{r['arm']} ({v})"
             cells.append(_fmt(v, spec) if not isinstance(v, str) else v)
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--gamma", type=int, default=4, help="chain length of the chain rows (the controller may use 1..gamma)")
+    s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                   help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
+                        "vs the embedded engine (greedy)")
+    s.add_argument("--online-draft", type=Path, default=None, metavar="DIR",
+                   help="(--engine vllm) a draft folder to time beside the offline draft, e.g. a drift run's")
     f = bsub.add_parser("profile", help="where plain and chain-speculative engine steps spend their time")
     _add_common(f)
     f.add_argument("--batches", default="1,4,16")
@@ -67,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-every", type=int, default=None, metavar="N",
                    help="retrain the reference draft at every N-th evaluation point (0: at the end only; "
                         "default: the preset's, every point for full)")
+    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                   help="rollout and evaluation engine (vllm: installed separately; arms decode greedily)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="shorten the preset's RL run to this many GRPO steps (a reduced run; say so when quoting it)")
     p = sub.add_parser("speed", help="speed sweeps over batch size, chain length and tree budget, with the bound")
     _add_common(p)
     p.add_argument("--batches", default="1,4,16,64")
@@ -145,6 +154,16 @@ def run(args: argparse.Namespace) -> dict:
 
         if not 0 < args.gamma <= MAX_SPEC_DEPTH:
             raise ValueError(f"--gamma must be in [1, {MAX_SPEC_DEPTH}], got {args.gamma}")
+        if args.engine == "vllm":
+            from specrl.bench_vllm import bench_speed_vllm
+
+            if args.temperature != 0.0:
+                raise ValueError("--engine vllm benchmarks greedy decoding only (sampled speculation on vLLM "
+                                 "failed the exact-law test, docs/vllm.md); drop --temperature")
+            return bench_speed_vllm(args.task, args.preset, args.out, args.batch_list, seed=args.seed,
+                                    cache_dir=args.cache_dir, gamma=args.gamma, online_draft_dir=args.online_draft)
+        if args.online_draft is not None:
+            raise ValueError("--online-draft needs --engine vllm")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
                            chain_gamma=args.gamma)
@@ -162,7 +181,8 @@ def run(args: argparse.Namespace) -> dict:
         from experiments.drift import run_drift
 
         return run_drift(args.preset, args.out, seed=args.seed, task=args.task, cache_dir=args.cache_dir,
-                         progress=not args.no_progress, reference_every=args.reference_every)
+                         progress=not args.no_progress, reference_every=args.reference_every,
+                         engine=args.engine, rl_steps=args.steps)
     if args.command == "speed":
         from experiments.speed import run_speed
         from rollout.speculative import MAX_SPEC_DEPTH, MAX_TREE_BUDGET

@@ -208,17 +208,21 @@ def test_draft_hot_swap_changes_acceptance_only_and_never_the_policy(setup, spec
     assert spec.fingerprint() == fp0 and spec.draft_weights()[1] == 2
 
 
-def test_policy_sync_updates_the_policy_and_never_the_draft(setup, spec):
-    """The sync restarts vLLM from the new policy folder with the engine's own draft: what is
-    served afterwards is the new policy, and the draft's weights in the worker are unchanged."""
+def test_policy_sync_in_place_serves_the_new_policy_and_never_touches_the_draft(setup, spec):
+    """The sync reloads the live worker's target in place (no restart): what is served afterwards
+    is exactly the new policy's greedy output (the embedded engine's on the moved weights), the
+    draft's tensors in the worker are unchanged, and syncing back serves the old policy again."""
     policy = setup[2]
     prompts = _prompts(setup, 16, seed=8)
     original = {k: v.clone() for k, v in policy.state_dict().items()}
-    moved = {k: v + 0.05 * torch.randn_like(v) for k, v in original.items()}
-    fp0 = spec.fingerprint()
-    spec.generate(prompts, _greedy(setup))
+    g = torch.Generator().manual_seed(0)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    before = spec.generate(prompts, _greedy(setup))
+    llm, fp0 = spec.llm, spec.fingerprint()
     try:
         spec.load_policy_weights(moved)
+        assert spec.last_sync["mode"] == "inplace" and spec.llm is llm  # the same live engine
+        assert spec.last_sync["moe_layers_repacked"] == policy.cfg.num_layers - int(policy.cfg.dense_first_layer)
         got = spec.generate(prompts, _greedy(setup))
         fp1 = spec.fingerprint()
         mine = {k: v for k, v in fp1["draft"].items() if "embed_tokens" not in k}  # the embedding is the policy's
@@ -227,10 +231,36 @@ def test_policy_sync_updates_the_policy_and_never_the_draft(setup, spec):
         other = policy.cfg.build().eval()
         other.load_state_dict(moved)
         ref = EmbeddedEngine(other, EngineConfig(max_batch=16)).generate(prompts, _greedy(setup))
-        assert [t.token_ids for t in got] == [t.token_ids for t in ref]  # the new policy is served
+        assert [t.token_ids for t in got] == [t.token_ids for t in ref]  # the new policy, exactly
+        assert [t.token_ids for t in got] != [t.token_ids for t in before]  # (and the move was visible)
+        diff = max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(got, ref))
+        print(f"in-place sync {spec.last_sync['sync_s']:.3f}s; log-prob max |diff| vs embedded {diff:.2e}")
+        assert diff < 1e-4
     finally:
         spec.load_policy_weights(original)
     assert spec.fingerprint()["policy"] == fp0["policy"]
+    assert [t.token_ids for t in spec.generate(prompts, _greedy(setup))] == [t.token_ids for t in before]
+
+
+def test_vllm_speed_rows_check_identity_and_measure_step_costs(setup, plain, spec):
+    """`specrl bench speed --engine vllm`'s measurement on the module's engines: greedy tokens
+    equal across vLLM plain, vLLM EAGLE-3 and the embedded engine; the bound's parts come from
+    vLLM's own full-batch steps. (Timings are the benchmark's business, not asserted.)"""
+    from specrl.bench_vllm import measure_vllm_batch
+
+    arms = {"vllm-plain": plain, "vllm-eagle3": spec, "embedded-plain": EmbeddedEngine(setup[2], EngineConfig(max_batch=16))}
+    rows = measure_vllm_batch(arms, _prompts(setup, 8, seed=4), _greedy(setup), batch=4, gamma=GAMMA, repeats=1)
+    by_arm = {r["arm"]: r for r in rows}
+    assert set(by_arm) == set(arms)
+    row = by_arm["vllm-eagle3"]
+    assert row["identical_to_plain"] and by_arm["embedded-plain"]["identical_to_vllm_plain"]
+    assert row["accept_length"] > 1.0 and row["cost_samples"]["spec_steps"] > 0 and row["cost_samples"]["plain_steps"] > 0
+    assert row["verify_s"] > 0 and row["draft_step_s"] > 0 and row["bound"] > 0
+    assert spec.llm.collective_rpc(_runner_patched)[0] == []  # the step timers are gone
+
+
+def _runner_patched(worker):
+    return [n for n in ("_model_forward", "propose_draft_token_ids") if n in worker.model_runner.__dict__]
 
 
 def test_bad_input_is_refused_in_one_line(setup, tmp_path):

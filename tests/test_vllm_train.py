@@ -33,3 +33,22 @@ def test_train_rl_on_vllm_with_an_online_draft(tmp_path):
         assert "train/draft_loss" in r and "perf/draft_sync_s" in r
     assert any(r["train/draft_steps"] > 0 for r in rows)  # the draft trained and was pushed
     assert json.loads((out / "summary.json").read_text())["engine"] == "vllm"
+
+
+def test_drift_on_vllm_runs_its_arms_on_vllm(tmp_path):
+    """`specrl drift --engine vllm` (the lane's small preset): the RL rollouts and every arm run on
+    vLLM, the arms' greedy tokens are identical (the evaluator raises otherwise), and the policy is
+    synced into the live engines in place."""
+    from specrl.cli import main
+
+    out = tmp_path / "drift"
+    code = main(["drift", "--engine", "vllm", "--preset", "ci-vllm", "--out", str(out),
+                 "--cache-dir", str(tmp_path / "cache"), "--no-progress"])
+    assert code == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["engine"] == "vllm" and summary["eval_decoding"].startswith("greedy")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["arm"]) for r in rows} >= {(0, a) for a in ("plain", "frozen", "online")} | {(2, "reference")}
+    assert all(r["accept_length"] >= 1.0 for r in rows if r["arm"] != "plain")
+    rl = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["perf/policy_sync_s"] > 0 for r in rl)
