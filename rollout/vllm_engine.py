@@ -117,7 +117,7 @@ def _models(worker):
     return runner.get_model(), (drafter.model if drafter is not None else None)
 
 
-def _reload_in_worker(worker, blob: bytes, which: str) -> int:
+def _reload_in_worker(worker, blob: bytes, which: str) -> dict:
     """Reload the `which` ("policy" or "draft") model in place from a safetensors blob (HF names
     for the policy, SGLang/vLLM EAGLE-3 names for the draft), after checking that no tensor it
     will write is shared with the other model."""
@@ -315,16 +315,14 @@ class VLLMEngine:
         the prefix cache is dropped; the HF folder is rewritten only when vLLM next restarts.
         With `policy_sync="restart"`: the folder is rewritten now and vLLM restarts from it at
         its next use, with the engine's current draft (tens of seconds on 2 CPU cores)."""
-        from target_training.hf_adapter import to_hf_disk_state_dict
+        from target_training.hf_adapter import hf_disk_tensors
 
         policy = self.cfg.build()
         policy.load_state_dict(state_dict)
         self._pending_policy = policy
         t0 = time.perf_counter()
         if self._llm is not None and self.config.policy_sync == "inplace":
-            tensors = {k: v.to(getattr(torch, self.config.dtype)) for k, v in to_hf_disk_state_dict(policy).items()}
-            if self.cfg.tie_embeddings:
-                tensors.pop("lm_head.weight", None)
+            tensors = hf_disk_tensors(policy, getattr(torch, self.config.dtype))
             done = self._llm.collective_rpc(_reload_in_worker, args=(_pack(tensors), "policy"))[0]
             self._llm.reset_prefix_cache()  # cached KV came from the old policy
             self.last_sync = {"mode": "inplace", "sync_s": time.perf_counter() - t0, **done}

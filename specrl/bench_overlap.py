@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -80,11 +81,6 @@ def _rl_step(arm, task, tokenizer, pool, preset: RunPreset, seed: int, step: int
                                        "train/draft_steps", "perf/feature_capture_s")}}
 
 
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2])
-
-
 def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, warmup: int = 2, seed: int = 0,
                   block: int = 4, cache_dir=None, log=print) -> dict:
     if steps <= 0 or warmup < 0 or block <= 0:
@@ -116,7 +112,7 @@ def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, 
         raise RuntimeError("the arms' policy updates differ: the benchmark would compare different work")
     timed = {m: a["steps"][warmup:] for m, a in arms.items()}
     mean = {m: sum(r["step_s"] for r in rows) / len(rows) for m, rows in timed.items()}
-    median = {m: _median([r["step_s"] for r in rows]) for m, rows in timed.items()}
+    median = {m: statistics.median(r["step_s"] for r in rows) for m, rows in timed.items()}
     result = {
         "preset": preset_name, "steps": steps, "warmup": warmup, "block": block,
         "step_s_mean": mean, "step_s_median": median,

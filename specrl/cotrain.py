@@ -341,7 +341,7 @@ class SpecCoTrainer:
         """Overlapped mode, at a step boundary (no forward in flight): finish the burst started at
         the previous boundary, swap its weights into the engine's draft, start the next burst on
         the buffer as it is now."""
-        self._finish_burst()
+        self.wait_for_draft()
         if self._burst is not None:
             res, self._burst = self._burst, None
             self._record_burst(res)
@@ -360,13 +360,9 @@ class SpecCoTrainer:
                              prefer_rejected=self.config.online.prefer_rejected, min_version=self._min_version())
 
     def wait_for_draft(self) -> None:
-        """Block until an overlapped burst still in flight has finished (the end of a run, or a
-        benchmark handing the machine to another arm). Its result is reported, and its weights
-        swapped into the engine, at the next step boundary as usual."""
-        self._finish_burst()
-
-    def _finish_burst(self) -> None:
-        """Wait for the overlapped burst in flight, if any; its result waits in self._burst."""
+        """Wait for the overlapped burst in flight, if any (a step boundary, a checkpoint, or a
+        benchmark handing the machine to another arm); its result waits in self._burst and is
+        reported, and its weights swapped into the engine, at the next step boundary as usual."""
         if self._overlap is not None and self._overlap.busy:
             try:
                 self._burst = self._overlap.collect()
@@ -381,7 +377,7 @@ class SpecCoTrainer:
     def state_dict(self) -> dict:
         if not self.enabled:
             return {"mode": "off"}
-        self._finish_burst()  # a consistent draft trainer; the engine swap still waits for the boundary
+        self.wait_for_draft()  # a consistent draft trainer; the engine swap still waits for the boundary
         engine_draft, engine_version = self.engine.draft_weights()
         return {"mode": self.config.mode, "policy_version": self.policy_version,
                 "engine_draft": engine_draft, "engine_draft_version": engine_version,

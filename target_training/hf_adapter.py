@@ -269,6 +269,16 @@ def _canonical(cfg: MoEConfig) -> dict:
     return d
 
 
+def hf_disk_tensors(model: MoETransformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The tensors of the HF folder (on-disk names, CPU, `dtype`, contiguous): what a serving
+    engine loads, at start-up from the folder or in place (a policy sync). A tied lm_head is
+    left out, as HF checkpoints with tie_word_embeddings do."""
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_hf_disk_state_dict(model).items()}
+    if model.cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    return tensors
+
+
 def save_hf_folder(model: MoETransformer, out_dir, *, dtype: torch.dtype | None = None) -> Path:
     """Write `model` as a local HF Qwen3-MoE folder (config.json + model.safetensors, on-disk names)."""
     from safetensors.torch import save_file
@@ -277,10 +287,7 @@ def save_hf_folder(model: MoETransformer, out_dir, *, dtype: torch.dtype | None 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = hf_config_from_moe(model.cfg, dtype=str(dtype).removeprefix("torch."))
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in to_hf_disk_state_dict(model).items()}
-    if model.cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_disk_tensors(model, dtype), str(out / "model.safetensors"), metadata={"format": "pt"})
     hf.to_json_file(str(out / "config.json"))
     return out
 
