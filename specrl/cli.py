@@ -158,8 +158,8 @@ def run(args: argparse.Namespace) -> dict:
             from specrl.bench_vllm import bench_speed_vllm
 
             if args.temperature != 0.0:
-                raise ValueError("--engine vllm benchmarks greedy decoding only (sampled speculation on vLLM "
-                                 "failed the exact-law test, docs/vllm.md); drop --temperature")
+                raise ValueError("--engine vllm benchmarks greedy decoding only (its rows check token identity, "
+                                 "which sampled speculation on vLLM keeps in law only); drop --temperature")
             return bench_speed_vllm(args.task, args.preset, args.out, args.batch_list, seed=args.seed,
                                     cache_dir=args.cache_dir, gamma=args.gamma, online_draft_dir=args.online_draft)
         if args.online_draft is not None:

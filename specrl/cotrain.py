@@ -316,7 +316,11 @@ class SpecCoTrainer:
     def _push_weights(self) -> None:
         """Hot swap the trainer's weights into the engine's draft, after checking them (names,
         shapes, finite): the engine never sees weights that would turn speculation off. A refused
-        or failed swap is counted and logged as such; the engine keeps its previous version."""
+        or failed swap is counted and logged as such; the engine keeps its previous version.
+        Not attached to an engine (training a draft from the trainer's features alone): nothing
+        to swap into, and that is not a fault."""
+        if self.engine is None:
+            return
         t_sync = time.perf_counter()
         version = self.draft_trainer.version
         try:

@@ -52,6 +52,7 @@ def test_memory_breakdown_is_measured(tiny_model, one_thread):
     assert m["mem/draft_total_bytes"] == (2 * n_params + opt + cot.buffer.nbytes
                                           + m["mem/draft_activation_bytes"])
     assert m["sched/memory_shrunk"] == 0 and m["sched/memory_skipped"] == 0
+    assert cot.engine is None and cot.faults == 0  # no engine attached: nothing to swap into, no fault
 
 
 def test_an_update_over_budget_is_shrunk_or_skipped_and_reported(tiny_model, one_thread):
