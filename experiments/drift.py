@@ -52,7 +52,7 @@ from rollout.speculative import Speculator
 from specrl.bench import machine_info, timed_generate_interleaved
 from specrl.controller import ControllerConfig, SpeculationController
 from specrl.drafts import train_offline_draft
-from specrl.presets import DRIFT_COTRAIN, RL_PRESETS, RunPreset
+from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset
 from specrl.train_rl import RLCallback, RLRun, encode_prompts, rollout_params, train_rl
 from target_training.config import require_positive
 from target_training.grpo import pack_batch
@@ -92,15 +92,15 @@ def _drift_rl(base: str, **kw) -> RunPreset:
 
 DRIFT_PRESETS: dict[str, DriftPreset] = {
     "ci": DriftPreset(rl=_drift_rl("ci", rl_steps=4, task_kwargs=RL_PRESETS["drift"].task_kwargs,
-                                   cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
+                                   cotrain=dataclasses.replace(DRIFT_COTRAIN_FIXED, max_draft_steps=2)),
                       eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
                       reference_every=1),
     # "ci" on the quick model (vLLM's CPU attention needs head_dim >= 32): the vLLM lane's run
     "ci-vllm": DriftPreset(rl=_drift_rl("ci-vllm", rl_steps=2, task_kwargs=RL_PRESETS["drift"].task_kwargs,
-                                        cotrain=dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=2)),
+                                        cotrain=dataclasses.replace(DRIFT_COTRAIN_FIXED, max_draft_steps=2)),
                            eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
                            reference_every=1),
-    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3),
+    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3, reference_every=1),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                      cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64,
                       reference_every=1),

@@ -1,7 +1,7 @@
 """What online draft training adds to the RL step, sequential versus overlapped (prints and saves JSON).
 
-The co-training is the drift runs' (presets.DRIFT_COTRAIN: one update of 12 sequences per RL
-step, features from the trainer's forward) on the chosen preset's model, task and RL sizes.
+The co-training is the drift runs' with a fixed count (presets.DRIFT_COTRAIN_FIXED: one update of
+12 sequences per RL step, features from the trainer's forward) on the chosen preset's model, task and RL sizes.
 
 Three copies of one RL run take turns in blocks of consecutive RL steps, the arms' order rotating
 from block to block (so a slow spell of a shared machine, or the position in a round, hits them
@@ -38,7 +38,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from specrl.bench import machine_info
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
-from specrl.presets import DRIFT_COTRAIN, RunPreset, get_preset
+from specrl.presets import DRIFT_COTRAIN_FIXED, RunPreset, get_preset
 from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
 from target_training.grpo import GRPOTrainer
 
@@ -49,7 +49,7 @@ def _arm(mode: str, policy, draft, preset: RunPreset, seed: int):
     policy = copy.deepcopy(policy)
     draft = copy.deepcopy(draft)
     draft.set_target_embedding(policy.embed_tokens)
-    cfg = DRIFT_COTRAIN  # the drift runs' co-training, whose cost the README reports
+    cfg = DRIFT_COTRAIN_FIXED  # one update per RL step, the same count in both modes
     if mode == "none":
         cfg = dataclasses.replace(cfg, mode="frozen", seed=seed)
     else:

@@ -117,6 +117,6 @@ def test_bench_overlap_runs_and_saves_json(sft_policy, tmp_path):
     r = bench_overlap("arith", "ci", tmp_path, steps=1, warmup=1, cache_dir=cache, log=lambda *a: None)
     assert json.loads((tmp_path / "bench_overlap.json").read_text()) == r
     assert set(r["step_s_mean"]) == {"none", "sequential", "overlap"}
-    assert r["draft_steps_per_rl_step"]["sequential"] == 1  # DRIFT_COTRAIN: one update per step
+    assert r["draft_steps_per_rl_step"]["sequential"] == 1  # DRIFT_COTRAIN_FIXED: one update per step
     assert r["draft_steps_per_rl_step"]["overlap"] == 1  # the burst started at step 0, collected at step 1
     assert r["overlap_hidden_s_mean"] > 0
