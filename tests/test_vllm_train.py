@@ -31,6 +31,8 @@ def test_train_rl_on_vllm_with_an_online_draft(tmp_path):
         assert r["rollout/spec_accept_length"] >= 1.0 and r["rollout/spec_verify_steps"] > 0
         assert r["perf/policy_sync_s"] > 0 and r["train/draft_faults"] == 0
         assert "train/draft_loss" in r and "perf/draft_sync_s" in r
+        # sampled speculative rollouts: vLLM's log-probs are the trainer's (NaN before the sampler mend)
+        assert r["logprob_mismatch"] is not None and r["logprob_mismatch"] < 1e-3
     assert any(r["train/draft_steps"] > 0 for r in rows)  # the draft trained and was pushed
     assert json.loads((out / "summary.json").read_text())["engine"] == "vllm"
 
@@ -52,3 +54,7 @@ def test_drift_on_vllm_runs_its_arms_on_vllm(tmp_path):
     assert all(r["accept_length"] >= 1.0 for r in rows if r["arm"] != "plain")
     rl = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["perf/policy_sync_s"] > 0 for r in rl)
+    sweep = summary["speedup_vs_batch"]  # plain and each draft on vLLM at the preset's batch sizes
+    assert {(r["batch"], r["arm"]) for r in sweep} == {(b, a) for b in (1, 8)
+                                                       for a in ("plain", "frozen", "online", "reference")}
+    assert all(r["accept_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in sweep if r["arm"] != "plain")
