@@ -118,6 +118,6 @@ def test_speed_sweep(sft_policy, tmp_path):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
-def test_full_preset_tracks_the_reference_at_every_point():
+def test_full_and_quick_presets_track_the_reference_at_every_point():
     assert get_drift_preset("full").reference_every == 1
-    assert get_drift_preset("quick").reference_every == 0  # the quick preset: at the end (the CLI flag adds points)
+    assert get_drift_preset("quick").reference_every == 1  # online / reference per point (issue 14)
