@@ -225,8 +225,7 @@ class DriftEvaluator(RLCallback):
             # are warmed on other prompts before the timed runs
             arms["adaptive"] = Speculator(self.online_draft(run), spec)
             arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
-            prompts = (self.prompts * (1 + (2 * b) // len(self.prompts)))[: max(2 * b, 4)]
-            warm = (warm_pool * (1 + (2 * b) // len(warm_pool)))[: max(2 * b, 4)]
+            prompts, warm = sweep_prompts(self.prompts, b), sweep_prompts(warm_pool, b)
             EmbeddedEngine(run.policy, EngineConfig(max_batch=b), speculator=arms["adaptive"]).generate(warm, params)
             results = self.time_arms(run, arms, b, prompts, params)
             base = results["plain"]["tokens_per_s"]
@@ -244,6 +243,11 @@ class DriftEvaluator(RLCallback):
         parts += [f"online/reference {r['online_over_reference']:.3f}" for r in pts if "online_over_reference" in r]
         kl = next(r["kl_from_start"] for r in pts if r["arm"] == "plain")
         self.log(f"[drift] step {step:>3}: KL {kl:.3f}  " + "  ".join(parts))
+
+
+def sweep_prompts(pool: list, batch: int) -> list:
+    """The prompts of one batch size in the speed sweep: `pool` repeated to 2 * batch (at least 4)."""
+    return (pool * (1 + (2 * batch) // len(pool)))[: max(2 * batch, 4)]
 
 
 def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, seed: int, wall_s: float) -> dict:

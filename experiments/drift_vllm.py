@@ -22,10 +22,10 @@ What differs from the embedded engine, and why:
 """
 from __future__ import annotations
 
-from experiments.drift import DriftEvaluator
+from experiments.drift import DriftEvaluator, sweep_prompts
+from rollout.protocol import summarize_spec_stats
 from specrl.bench import timed_generate_interleaved
 from specrl.bench_vllm import Grouped
-from rollout.protocol import summarize_spec_stats
 from specrl.train_rl import RLRun, rollout_params
 
 
@@ -76,8 +76,7 @@ class VLLMDriftEvaluator(DriftEvaluator):
                 "reference": self.reference_draft}
         rows = []
         for b in self.preset.speed_batches:
-            prompts = (self.prompts * (1 + (2 * b) // len(self.prompts)))[: max(2 * b, 4)]
-            results = self.time_arms(run, arms, b, prompts, params)
+            results = self.time_arms(run, arms, b, sweep_prompts(self.prompts, b), params)
             base = results["plain"]["tokens_per_s"]
             for arm, r in results.items():
                 row = {"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}

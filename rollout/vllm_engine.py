@@ -303,10 +303,11 @@ class VLLMEngine:
                                   "use top_k=0, top_p=1 with the vLLM engine")
         if len(prompts) == 0:
             return []
-        if self.spec is not None and not params.greedy and not self._warned_sampling and self.llm \
-                and not self.sampler_mend.get("expand_ok_after", False):  # (self.llm starts vLLM: it runs the mend)
-            self._warned_sampling = True
-            warnings.warn(SAMPLED_SPEC_WARNING, RuntimeWarning)
+        if self.spec is not None and not params.greedy and not self._warned_sampling:
+            self.llm  # started here if not yet: the start runs the sampler mend and records it
+            if not self.sampler_mend.get("expand_ok_after", False):
+                self._warned_sampling = True
+                warnings.warn(SAMPLED_SPEC_WARNING, RuntimeWarning)
         request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
         if len(request_ids) != len(prompts):
             raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
