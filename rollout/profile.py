@@ -24,6 +24,7 @@ the profiled run is a little slower than an unprofiled one); on CPU a mark is on
 """
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -103,6 +104,24 @@ def low_quartile(xs: list[float]) -> float:
     if not xs:
         raise ValueError("no samples")
     return xs[(len(xs) - 1) // 4]
+
+
+def bound_costs(target_steps: list[float], verify_steps: list[float], draft_steps: list[float],
+                cost_samples: dict) -> dict:
+    """The bound's parts from per-step samples (seconds; a draft sample is one step's drafting
+    divided by its depth): each part's lower quartile and median, and their ratios to the target
+    step (specrl.bench.MEASUREMENT). Any sample list empty: every figure None."""
+    samples = {"target_step_s": target_steps, "verify_s": verify_steps, "draft_step_s": draft_steps}
+    if not all(samples.values()):
+        return {**{f"{k}{suffix}": None for k in ("target_step_s", "verify_s", "draft_step_s", "verify_cost", "c")
+                   for suffix in ("", "_median")}, "cost_samples": cost_samples}
+    out = {k: low_quartile(v) for k, v in samples.items()}
+    out.update({f"{k}_median": statistics.median(v) for k, v in samples.items()})
+    for suffix in ("", "_median"):
+        t1 = out[f"target_step_s{suffix}"]
+        out[f"verify_cost{suffix}"] = out[f"verify_s{suffix}"] / t1
+        out[f"c{suffix}"] = out[f"draft_step_s{suffix}"] / t1
+    return {**out, "cost_samples": cost_samples}
 
 
 def phase_breakdown(records: list[StepRecord], phases: tuple[str, ...]) -> dict:

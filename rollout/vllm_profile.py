@@ -74,16 +74,11 @@ class StepTimer:
 
 def vllm_step_costs(plain: StepTimer, spec: StepTimer, batch: int, gamma: int) -> dict:
     """The bound's parts (the keys of specrl.bench.engine_step_costs) from vLLM's own steps: the
-    lower quartile of the plain decode forwards with every slot busy, of the verify forwards with
+    lower quartile and median of the plain decode forwards with every slot busy, of the verify forwards with
     every slot busy, and of the drafter's proposal per step divided by gamma (its forward over the
     newly accepted tokens and the chain steps)."""
-    from rollout.profile import low_quartile
+    from rollout.profile import bound_costs
 
     plain_steps, verify_steps, proposals = plain.forward_s(batch), spec.forward_s(batch * (gamma + 1)), spec.propose_s()
     samples = {"plain_steps": len(plain_steps), "spec_steps": len(verify_steps), "proposals": len(proposals)}
-    if not plain_steps or not verify_steps or not proposals:
-        return {"target_step_s": None, "verify_s": None, "draft_step_s": None, "verify_cost": None, "c": None,
-                "cost_samples": samples}
-    t1, tv, td = low_quartile(plain_steps), low_quartile(verify_steps), low_quartile(proposals) / gamma
-    return {"target_step_s": t1, "verify_s": tv, "draft_step_s": td, "verify_cost": tv / t1, "c": td / t1,
-            "cost_samples": samples}
+    return bound_costs(plain_steps, verify_steps, [p / gamma for p in proposals], samples)

@@ -22,6 +22,13 @@ added_fraction[mode] = mean step time of mode / mean step time of "none" - 1, ov
 (`added_fraction_median` uses medians instead, robust to a preempted step).
 For "overlap" the JSON also gives the burst time that ran under RL work (`perf/draft_overlap_s`)
 and the step boundary's wait for a burst still running (`perf/draft_wait_s`).
+
+`bench_overlap_phases` (`specrl bench overlap --phases`) asks where inside the RL step an
+overlapped burst could hide: it times one rollout phase, a speculative `generate()` at one batch
+size, three ways in turns: alone, followed in line by K draft updates (sequential), and with the
+same K updates running on their own thread from the call's start (overlap). Both with the
+RL loop at 2 intra-op threads (the default, both cores) and at 1 (leaving the second core to the
+burst). added = wall / alone - 1; overlap wins where its added is below the sequential one.
 """
 from __future__ import annotations
 
@@ -43,6 +50,22 @@ from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_param
 from target_training.grpo import GRPOTrainer
 
 MODES = ("none", "sequential", "overlap")
+
+
+def _setup(task_name: str, preset_name: str, out_dir, seed: int, cache_dir, log):
+    """The output folder, the preset, its policy and cached offline draft, and the RL prompt pool."""
+    from target_training.sft import default_cache_dir
+
+    preset = get_preset(preset_name)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir, log)
+    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
+    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,),
+                                    Path(cache_dir) if cache_dir else default_cache_dir(), log=log)
+    pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
+    torch.manual_seed(seed)
+    return out, preset, tokenizer, task, policy, draft, pool
 
 
 def _arm(mode: str, policy, draft, preset: RunPreset, seed: int):
@@ -85,17 +108,7 @@ def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, 
                   block: int = 4, cache_dir=None, log=print) -> dict:
     if steps <= 0 or warmup < 0 or block <= 0:
         raise ValueError(f"bench overlap needs steps > 0, warmup >= 0 and block > 0, got {steps}, {warmup}, {block}")
-    preset = get_preset(preset_name)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir, log)
-    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
-    from target_training.sft import default_cache_dir
-
-    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,),
-                                    Path(cache_dir) if cache_dir else default_cache_dir(), log=log)
-    pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
-    torch.manual_seed(seed)
+    out, preset, tokenizer, task, policy, draft, pool = _setup(task_name, preset_name, out_dir, seed, cache_dir, log)
     arms = {m: _arm(m, policy, draft, preset, seed) for m in MODES}
     total = warmup + steps
     for k, start in enumerate(range(0, total, block)):
@@ -130,4 +143,89 @@ def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, 
     log(json.dumps({k: result[k] for k in ("step_s_mean", "added_fraction", "added_fraction_median",
                                            "sequential_draft_train_s_mean",
                                            "overlap_hidden_s_mean", "overlap_wait_s_mean")}, indent=1))
+    return result
+
+
+def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(1, 4, 16, 64), updates: int = 2,
+                         repeats: int = 5, seed: int = 0, cache_dir=None, log=print) -> dict:
+    """Where an overlapped burst hides and where it competes (module docstring). The buffer is
+    filled by two co-trained RL steps first; the rollout engine speculates with the starting
+    draft (chains, the drift runs' gamma), the burst trains the co-trainer's own copy."""
+    from rollout.speculative import Speculator
+    from specrl.overlap import OverlappedBursts
+
+    if updates <= 0 or repeats <= 0 or not batches or any(b <= 0 for b in batches):
+        raise ValueError(f"bench overlap --phases needs updates > 0, repeats > 0 and positive batches, "
+                         f"got {updates}, {repeats}, {batches}")
+    out, preset, tokenizer, task, policy, draft, pool = _setup(task_name, preset_name, out_dir, seed, cache_dir, log)
+    arm = _arm("sequential", policy, draft, preset, seed)
+    for step in range(2):  # features in the buffer, as in a run
+        _rl_step(arm, task, tokenizer, pool, preset, seed, step)
+    cot = arm["cot"]
+    trainer, buffer, gen = cot.draft_trainer, cot.buffer, cot.generator
+    batch_size, prefer = cot.config.online.batch_size, cot.config.online.prefer_rejected
+    bursts = OverlappedBursts(trainer, threads=1)
+    params = rollout_params(preset, tokenizer, seed)
+    main_threads = torch.get_num_threads()
+    version0 = trainer.version
+
+    def alone(engine, prompts):
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        return time.perf_counter() - t0, None
+
+    def sequential(engine, prompts):
+        t0 = time.perf_counter()
+        engine.generate(prompts, params)
+        t1 = time.perf_counter()
+        trainer.train_for(buffer, updates, float("inf"), gen, batch_size=batch_size)
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
+
+    def overlap(engine, prompts):
+        t0 = time.perf_counter()
+        bursts.launch(buffer, updates, batch_size, float("inf"), gen, prefer_rejected=prefer, min_version=None)
+        engine.generate(prompts, params)
+        res = bursts.collect()
+        return time.perf_counter() - t0, res["burst_s"]
+
+    arms = {"alone": alone, "sequential": sequential, "overlap": overlap}
+    rows = []
+    try:
+        for b in batches:
+            prompts = encode_prompts(tokenizer, task.examples("heldout", 2 * b, seed + 5))
+            engine = EmbeddedEngine(arm["policy"], EngineConfig(max_batch=b),
+                                    speculator=Speculator(copy.deepcopy(draft), cot.config.spec))
+            for threads in sorted({main_threads, 1}, reverse=True):
+                torch.set_num_threads(threads)
+                engine.generate(prompts, params)  # warm-up
+                walls = {a: [] for a in arms}
+                burst = {a: [] for a in arms}
+                for r in range(repeats):
+                    order = list(arms)[r % 3:] + list(arms)[:r % 3]  # rotated, so no arm always runs first
+                    for name in order:
+                        wall, b_s = arms[name](engine, prompts)
+                        walls[name].append(wall)
+                        if b_s is not None:
+                            burst[name].append(b_s)
+                med = {a: statistics.median(w) for a, w in walls.items()}
+                row = {"batch": b, "main_threads": threads, "updates": updates,
+                       "generate_s": med["alone"], "sequential_s": med["sequential"], "overlap_s": med["overlap"],
+                       "update_s_in_line": statistics.median(burst["sequential"]),
+                       "burst_s_overlapped": statistics.median(burst["overlap"]),
+                       "added_sequential": med["sequential"] / med["alone"] - 1.0,
+                       "added_overlap": med["overlap"] / med["alone"] - 1.0,
+                       "walls": walls}
+                row["overlap_wins"] = row["added_overlap"] < row["added_sequential"]
+                rows.append(row)
+                log(f"batch {b:>3} main threads {threads}: generate {row['generate_s']:.3f}s; added sequential "
+                    f"{row['added_sequential']:+.3f}, overlap {row['added_overlap']:+.3f} (updates {updates}: in line "
+                    f"{row['update_s_in_line']:.3f}s, overlapped burst {row['burst_s_overlapped']:.3f}s)")
+    finally:
+        torch.set_num_threads(main_threads)
+    result = {"benchmark": "overlap_phases", "preset": preset_name, "updates": updates, "repeats": repeats,
+              "draft_updates_done": trainer.version - version0,  # every timed update really trained
+              "statistic": "median over repeats; arms in turns, order rotated each repeat", "rows": rows,
+              "machine": machine_info()}
+    (out / "bench_overlap_phases.json").write_text(json.dumps(result, indent=1))
     return result

@@ -65,6 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
     o.add_argument("--warmup", type=int, default=2)
     o.add_argument("--block", type=int, default=4, help="consecutive RL steps per arm before the next arm's turn")
+    o.add_argument("--phases", action="store_true",
+                   help="instead: a rollout alone, with draft updates in line, and with them overlapped, per batch size")
+    o.add_argument("--batches", default="1,4,16,64", help="(--phases) rollout batch sizes")
+    o.add_argument("--updates", type=int, default=2, help="(--phases) draft updates per rollout")
 
     p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
     _add_common(p)
@@ -173,8 +177,11 @@ def run(args: argparse.Namespace) -> dict:
         return bench_profile(args.task, args.preset, args.out, args.batch_list,
                              seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
     if args.command == "bench" and args.bench == "overlap":
-        from specrl.bench_overlap import bench_overlap
+        from specrl.bench_overlap import bench_overlap, bench_overlap_phases
 
+        if args.phases:
+            return bench_overlap_phases(args.task, args.preset, args.out, batches=args.batch_list,
+                                        updates=args.updates, seed=args.seed, cache_dir=args.cache_dir)
         return bench_overlap(args.task, args.preset, args.out, steps=args.steps, warmup=args.warmup, block=args.block, seed=args.seed,
                              cache_dir=args.cache_dir)
     if args.command == "drift":

@@ -53,19 +53,27 @@ class RunPreset:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
-# Co-training of the drift runs. Draft updates per RL step (12 sequences, 4 TTT steps each) follow
-# acceptance (specrl/draft_budget.py, rule "acceptance"): one while acceptance holds, up to 6 while it
-# falls below its best, none once steady. Tried on the quick drift run (2-core CPU, one run each):
-# a fixed 1 update per step at lr 1e-3 left the online draft at 0.934 of the reference at the end;
-# the rule capped at 3 (lr 1e-3) reached 0.832 of the reference at step 20, capped at 6 with lr
-# 2e-3 0.868 (the first 20 steps move the policy fastest), and 0.946 to 1.074 from step 40 on.
-# Training samples come from the last 4 policy versions. Chains of 6 drafts: as fast as 5 for a fresh
-# draft on the 2-core CPU (x1.21 vs x1.22), and the positions a stale draft wastes show in the speed-up.
-DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_source="trainer", max_draft_steps=6,
-                              recent_versions=4, online=OnlineDraftConfig(lr=2e-3, batch_size=12),
+# Co-training of the drift runs. Draft updates per RL step (24 sequences, 4 TTT steps each) follow
+# acceptance (specrl/draft_budget.py, rule "acceptance"): two while acceptance holds, up to 10 while
+# it falls below its best (80 extra updates per unit of relative deficit), none once steady.
+# Training samples come from the last 2 policy versions. Tuned on the first 20 steps of the quick
+# drift run, where the policy moves fastest (KL 0.289 at step 20; 2-core CPU, one run each; online
+# accept length over the reference retrained at step 20):
+#   the earlier preset (12 sequences, cap 6, base 1, gain 40, last 4 versions)   0.868
+#   lr 3e-3 0.889; warm-up of 10 updates 0.889; 24 sequences 0.909; last 2 versions 0.920;
+#   last version only 0.849; cap 10, base 2, gain 80 0.924; with 24 sequences and last 3 versions 0.955,
+#   last 2 versions 0.973 (this preset), plus a 10-update warm-up 0.949;
+#   a fixed 12 updates of 24 sequences per step 1.028, at twice the RL step's time.
+# So tracking the fastest policy moves is a matter of draft compute: what this costs is
+# `draft_added_fraction` in the drift summary (README).
+# Chains of 6 drafts: as fast as 5 for a fresh draft on the 2-core CPU (x1.21 vs x1.22), and the
+# positions a stale draft wastes show in the speed-up.
+DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_source="trainer", max_draft_steps=10,
+                              recent_versions=2, online=OnlineDraftConfig(lr=2e-3, batch_size=24),
                               scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",),
-                                                        draft_steps=DraftBudgetConfig(rule="acceptance")))
-# The same with one update per RL step at lr 1e-3, a count that never varies: the CI-sized drift
+                                                        draft_steps=DraftBudgetConfig(rule="acceptance", base_steps=2,
+                                                                                      deficit_gain=80.0)))
+# The same with one update of 12 sequences per RL step at lr 1e-3, a count that never varies: the CI-sized drift
 # runs (reproducible) and `specrl bench overlap` (the cost of one update, in both scheduler modes).
 DRIFT_COTRAIN_FIXED = dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, online=OnlineDraftConfig(lr=1e-3, batch_size=12),
                                           scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",)))

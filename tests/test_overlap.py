@@ -120,3 +120,27 @@ def test_bench_overlap_runs_and_saves_json(sft_policy, tmp_path):
     assert r["draft_steps_per_rl_step"]["sequential"] == 1  # DRIFT_COTRAIN_FIXED: one update per step
     assert r["draft_steps_per_rl_step"]["overlap"] == 1  # the burst started at step 0, collected at step 1
     assert r["overlap_hidden_s_mean"] > 0
+
+
+def test_bench_overlap_phases_runs_the_updates_it_times(sft_policy, tmp_path):
+    """`bench overlap --phases` on the CI preset: every arm ran, the sequential and overlapped arms
+    really trained (the co-trainer's draft version moved by updates per call), the thread count
+    is restored; its timings mean nothing here."""
+    import json
+
+    import torch
+
+    from specrl.bench_overlap import bench_overlap_phases
+
+    threads = torch.get_num_threads()
+    r = bench_overlap_phases("arith", "ci", tmp_path, batches=(2,), updates=1, repeats=2,
+                             cache_dir=sft_policy[3], log=lambda *a: None)
+    assert json.loads((tmp_path / "bench_overlap_phases.json").read_text()) == r
+    assert torch.get_num_threads() == threads
+    assert {row["main_threads"] for row in r["rows"]} == {threads, 1}
+    for row in r["rows"]:
+        assert all(len(w) == 2 and min(w) > 0 for w in row["walls"].values())
+        assert row["update_s_in_line"] > 0 and row["burst_s_overlapped"] > 0
+    assert r["draft_updates_done"] == 2 * 2 * 2  # rows x repeats x (sequential + overlap), one update each
+    with pytest.raises(ValueError, match="updates > 0"):
+        bench_overlap_phases("arith", "ci", tmp_path, updates=0)

@@ -76,6 +76,8 @@ def test_profiled_engine_steps(sft_policy, offline_draft, one_thread, mode):
     costs = engine_step_costs(plain_prof, spec_prof, 3, 3)
     assert costs["cost_samples"]["plain_steps"] > 0 and costs["cost_samples"]["spec_steps"] > 0
     assert costs["verify_cost"] > 0 and costs["c"] > 0
+    for part in ("target_step_s", "verify_s", "draft_step_s"):  # the quartile never exceeds the median
+        assert 0 < costs[part] <= costs[f"{part}_median"]
     prof = step_profile(spec_prof, 3)
     assert prof["spec"]["steps"] == costs["cost_samples"]["spec_steps"]
     # a batch size no step ran at gives no figures rather than wrong ones
