@@ -89,11 +89,9 @@ MEASUREMENT = {
              "the forwards cost nothing",
     "efficiency": "speedup / bound",
     "bound_median": "the bound from the medians of the same step samples instead of their lower quartiles "
-                    "(target_step_s_median, verify_s_median, draft_step_s_median). The lower quartile assumes every "
-                    "forward could run at its fast quarter; but much of a forward's spread is real work (which "
-                    "experts a block wakes, how long its context is), and a verify block's spreads more than a "
-                    "decode step's, so the quartile ratio understates verify cost. The median is as robust to "
-                    "preemption and keeps the typical step",
+                    "(target_step_s_median, verify_s_median, draft_step_s_median): how much the choice of "
+                    "statistic moves the bound (a forward's spread is partly real work, which experts a block "
+                    "wakes and how long its context is, and partly preemption)",
     "efficiency_median": "speedup / bound_median",
     "profile": "mean seconds per step of each phase (rollout.profile) over the profiled run's full-batch steps",
 }

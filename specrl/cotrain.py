@@ -97,6 +97,7 @@ class SpecCoTrainer:
         self._overlap = (OverlappedBursts(self.draft_trainer, cfg.scheduler.overlap_threads)
                          if self.draft_trainer is not None and cfg.scheduler.mode == "overlap" else None)
         self._burst: dict | None = None  # an overlapped burst collected but not yet reported
+        self._threads_outside_burst: int | None = None  # the RL loop's thread count, while rollout_threads holds
         self._overlap_s = self._wait_s = 0.0
         self._mem: dict = {}  # the last memory plan's measured breakdown
         self._mem_shrunk = self._mem_skipped = 0  # bursts of this RL step cut or skipped by the memory budget
@@ -182,6 +183,10 @@ class SpecCoTrainer:
                                       "rollout/spec_collapse_alarms": self.budget.alarms})
         if self.capture_engine_features:
             self.buffer.add_trajectories(trajectories, self.policy_version)
+        if self._overlap is not None and self.config.scheduler.overlap_until == "rollout":
+            t0 = time.perf_counter()  # the burst ran under the rollout only: the policy update runs alone
+            self.wait_for_draft()
+            self.scheduler.charge("between", time.perf_counter() - t0)
         return self._rollout_metrics
 
     def on_policy_update(self, kl: float | None = None) -> None:
@@ -360,8 +365,13 @@ class SpecCoTrainer:
         if steps <= 0 or batch == 0:
             return
         budget = self.scheduler.budget_s  # the same time budget per step as the sequential windows
-        self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
-                             prefer_rejected=self.config.online.prefer_rejected, min_version=self._min_version())
+        launched = self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
+                                        prefer_rejected=self.config.online.prefer_rejected,
+                                        min_version=self._min_version())
+        threads = self.config.scheduler.rollout_threads
+        if launched and threads is not None:  # leave the burst its cores until it is collected
+            self._threads_outside_burst = torch.get_num_threads()
+            torch.set_num_threads(threads)
 
     def wait_for_draft(self) -> None:
         """Wait for the overlapped burst in flight, if any (a step boundary, a checkpoint, or a
@@ -372,6 +382,10 @@ class SpecCoTrainer:
                 self._burst = self._overlap.collect()
             except Exception as err:  # the burst failed: its update is dropped, the RL run goes on
                 self._on_draft_error(err)
+            finally:
+                if self._threads_outside_burst is not None:
+                    torch.set_num_threads(self._threads_outside_burst)
+                    self._threads_outside_burst = None
 
     def _on_draft_error(self, err: Exception) -> None:
         self.faults += 1

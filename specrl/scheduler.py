@@ -29,7 +29,9 @@ the scheduler hands out time, not steps:
 Mode "overlap" replaces the windows: one burst per RL step trains on its own thread (CPU) or
 CUDA stream (GPU) while the next step runs (specrl.overlap); only the step boundary's own work
 (waiting for a burst still running, starting the next, syncing weights) is charged here, to
-"between". Contention for the device is not visible to this accounting; measure it by timing
+"between". With overlap_until="rollout" the burst is collected when the next rollout ends, so
+it runs under the rollout only, and the wait for it there is charged too; with rollout_threads
+the RL loop runs with that many intra-op threads while the burst is in flight. Contention for the device is not visible to this accounting; measure it by timing
 steps with and without training (specrl.bench_overlap).
 
 Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
@@ -68,6 +70,14 @@ class SchedulerConfig:
     # its own thread / CUDA stream while the next step runs, swapped in at the step boundary (specrl.overlap)
     mode: str = "sequential"
     overlap_threads: int = 1  # intra-op threads of the overlapped burst's thread (CPU)
+    # overlap: how long a burst may run. "step": until the next step boundary (under the rollout and
+    # the policy update); "rollout": it is collected when the rollout ends (SpecCoTrainer.on_rollout),
+    # so the policy update, which keeps every core busy, runs alone
+    overlap_until: str = "step"
+    # overlap: the RL loop's own intra-op threads while a burst runs (None: unchanged). On a CPU, 1
+    # leaves a core to the burst: small-batch decoding gains little from a second thread
+    # (specrl bench overlap --phases)
+    rollout_threads: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.windows, str):
@@ -87,6 +97,11 @@ class SchedulerConfig:
             (self.mode in ("sequential", "overlap"), f"mode must be 'sequential' or 'overlap', got {self.mode!r}"),
             (isinstance(self.overlap_threads, int) and self.overlap_threads > 0,
              f"overlap_threads must be a positive integer, got {self.overlap_threads!r}"),
+            (self.overlap_until in ("step", "rollout"),
+             f"overlap_until must be 'step' or 'rollout', got {self.overlap_until!r}"),
+            (self.rollout_threads is None or (isinstance(self.rollout_threads, int)
+                                              and not isinstance(self.rollout_threads, bool) and self.rollout_threads > 0),
+             f"rollout_threads must be None or a positive integer, got {self.rollout_threads!r}"),
         ]
         for ok, msg in checks:
             if not ok:

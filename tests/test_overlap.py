@@ -2,6 +2,7 @@
 the buffer and of the target embedding, the engine's draft is swapped only at a step boundary,
 and the trained weights equal the sequential mode's on the same batches."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -116,10 +117,10 @@ def test_bench_overlap_runs_and_saves_json(sft_policy, tmp_path):
     cache = sft_policy[3]
     r = bench_overlap("arith", "ci", tmp_path, steps=1, warmup=1, cache_dir=cache, log=lambda *a: None)
     assert json.loads((tmp_path / "bench_overlap.json").read_text()) == r
-    assert set(r["step_s_mean"]) == {"none", "sequential", "overlap"}
+    assert set(r["step_s_mean"]) == {"none", "sequential", "overlap", "overlap_rollout"}
     assert r["draft_steps_per_rl_step"]["sequential"] == 1  # DRIFT_COTRAIN_FIXED: one update per step
     assert r["draft_steps_per_rl_step"]["overlap"] == 1  # the burst started at step 0, collected at step 1
-    assert r["overlap_hidden_s_mean"] > 0
+    assert r["overlap_hidden_s_mean"]["overlap"] > 0 and r["overlap_hidden_s_mean"]["overlap_rollout"] > 0
 
 
 def test_bench_overlap_phases_runs_the_updates_it_times(sft_policy, tmp_path):
@@ -144,3 +145,41 @@ def test_bench_overlap_phases_runs_the_updates_it_times(sft_policy, tmp_path):
     assert r["draft_updates_done"] == 2 * 2 * 2  # rows x repeats x (sequential + overlap), one update each
     with pytest.raises(ValueError, match="updates > 0"):
         bench_overlap_phases("arith", "ci", tmp_path, updates=0)
+
+
+def test_a_burst_until_the_rollout_is_collected_there_and_gives_the_loop_its_threads_back(tiny_model):
+    """overlap_until="rollout": the burst started at a step boundary is collected when the next
+    rollout ends (before the policy update), the RL loop runs with rollout_threads meanwhile and
+    gets its own count back, and the trained weights are the sequential mode's."""
+    model = copy.deepcopy(tiny_model)
+    seq, ovl = _pair(model)
+    ovl = SpecCoTrainer(copy.deepcopy(ovl.draft), dataclasses.replace(
+        ovl.config, scheduler=dataclasses.replace(ovl.config.scheduler, overlap_until="rollout",
+                                                  rollout_threads=1))).attach(EmbeddedEngine(model))
+    ovl.draft.set_target_embedding(model.embed_tokens)
+    ovl.speculator.draft.set_target_embedding(model.embed_tokens)
+    _fill(ovl, model)
+    threads = torch.get_num_threads()
+    seq.begin_step()
+    seq.train_draft()
+    ovl.begin_step()
+    ovl.train_draft()  # starts the burst
+    assert ovl._overlap.busy and torch.get_num_threads() == 1
+    ovl.end_step()
+    ovl.begin_step()
+    m = ovl.on_rollout([])  # the rollout ended: collect the burst
+    assert not ovl._overlap.busy and torch.get_num_threads() == threads
+    assert ovl.scheduler.spent_s > 0  # the wait for it is charged to the step
+    ovl.on_policy_update()
+    m = ovl.train_draft()
+    assert m["train/draft_steps"] == 3 and m["perf/draft_overlap_s"] > 0
+    assert _same(_weights(ovl.speculator.draft), _weights(seq.draft))
+    ovl.wait_for_draft()
+    assert torch.get_num_threads() == threads
+
+
+def test_overlap_until_and_rollout_threads_are_checked():
+    with pytest.raises(ValueError, match="overlap_until"):
+        SchedulerConfig(mode="overlap", overlap_until="forever")
+    with pytest.raises(ValueError, match="rollout_threads"):
+        SchedulerConfig(mode="overlap", rollout_threads=0)
