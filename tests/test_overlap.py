@@ -166,6 +166,7 @@ def test_a_burst_until_the_rollout_is_collected_there_and_gives_the_loop_its_thr
     ovl.train_draft()  # starts the burst
     assert ovl._overlap.busy and torch.get_num_threads() == 1
     ovl.end_step()
+    ovl._overlap._thread.join()  # the burst ends under the (here empty) rollout, as a long rollout would
     ovl.begin_step()
     m = ovl.on_rollout([])  # the rollout ended: collect the burst
     assert not ovl._overlap.busy and torch.get_num_threads() == threads
