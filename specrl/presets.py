@@ -64,13 +64,16 @@ class RunPreset:
 #   last version only 0.849; cap 10, base 2, gain 80 0.924; with 24 sequences and last 3 versions 0.955,
 #   last 2 versions 0.973 (this preset), plus a 10-update warm-up 0.949;
 #   a fixed 12 updates of 24 sequences per step 1.028, at twice the RL step's time.
+# The time budget is left wide (min_budget_s) so the rule's count alone decides and a run is
+# reproducible: at budget_fraction 1.0 alone, 10 updates of 24 sequences could outrun one RL step's
+# time on a slow machine and be cut (a fresh-clone run of commit de9a7b5 got 8 where 10 were asked).
 # So tracking the fastest policy moves is a matter of draft compute: what this costs is
 # `draft_added_fraction` in the drift summary (README).
 # Chains of 6 drafts: as fast as 5 for a fresh draft on the 2-core CPU (x1.21 vs x1.22), and the
 # positions a stale draft wastes show in the speed-up.
 DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_source="trainer", max_draft_steps=10,
                               recent_versions=2, online=OnlineDraftConfig(lr=2e-3, batch_size=24),
-                              scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",),
+                              scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
                                                         draft_steps=DraftBudgetConfig(rule="acceptance", base_steps=2,
                                                                                       deficit_gain=80.0)))
 # The same with one update of 12 sequences per RL step at lr 1e-3, a count that never varies: the CI-sized drift
