@@ -10,8 +10,8 @@ alike): "none" speculates with the starting draft and trains nothing (CoTrainCon
 overlaps too, but its burst runs under the rollout only, with the RL loop at one intra-op thread
 meanwhile, and is collected before the policy update. The first three decode the same tokens
 (speculation is lossless) and apply the same policy updates, so the RL work is the same (checked);
-for "overlap_rollout", whose rollout runs on one thread, the JSON says whether it did. To keep the speculation the same too, the online copies do not hot-swap
-their draft into the engine in this benchmark (a patched `load_draft_weights`): every copy
+for "overlap_rollout", whose rollout runs on one thread, the JSON says whether it did. To keep
+the speculation the same too, the online copies do not hot-swap their draft into the engine in this benchmark (a patched `load_draft_weights`): every copy
 decodes with the starting draft, and the only difference left is the draft training itself.
 
 Blocks, not single steps: an overlapped burst launched at the end of a step runs during the next
@@ -209,9 +209,10 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
                 torch.set_num_threads(threads)
                 engine.generate(prompts, params)  # warm-up
                 walls = {a: [] for a in arms}
-                burst = {a: [] for a in arms}
+                burst = {"sequential": [], "overlap": []}  # the updates' own seconds, per arm that trains
                 for r in range(repeats):
-                    order = list(arms)[r % 3:] + list(arms)[:r % 3]  # rotated, so no arm always runs first
+                    k = r % len(arms)
+                    order = list(arms)[k:] + list(arms)[:k]  # rotated, so no arm always runs first
                     for name in order:
                         wall, b_s = arms[name](engine, prompts)
                         walls[name].append(wall)

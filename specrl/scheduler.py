@@ -31,8 +31,9 @@ CUDA stream (GPU) while the next step runs (specrl.overlap); only the step bound
 (waiting for a burst still running, starting the next, syncing weights) is charged here, to
 "between". With overlap_until="rollout" the burst is collected when the next rollout ends, so
 it runs under the rollout only, and the wait for it there is charged too; with rollout_threads
-the RL loop runs with that many intra-op threads while the burst is in flight. Contention for the device is not visible to this accounting; measure it by timing
-steps with and without training (specrl.bench_overlap).
+the RL loop runs with that many intra-op threads while the burst is in flight. Contention for
+the device is not visible to this accounting; measure it by timing steps with and without
+training (specrl.bench_overlap).
 
 Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
 tensors: the draft's parameters and gradients, the optimizer state, the feature buffer, and the

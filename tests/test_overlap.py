@@ -170,7 +170,7 @@ def test_a_burst_until_the_rollout_is_collected_there_and_gives_the_loop_its_thr
     ovl.end_step()
     ovl._overlap._thread.join()  # the burst ends under the (here empty) rollout, as a long rollout would
     ovl.begin_step()
-    m = ovl.on_rollout([])  # the rollout ended: collect the burst
+    ovl.on_rollout([])  # the rollout ended: collect the burst
     assert not ovl._overlap.busy and torch.get_num_threads() == threads
     assert ovl.scheduler.spent_s > 0  # the wait for it is charged to the step
     ovl.on_policy_update()
