@@ -75,11 +75,17 @@ class DriftPreset:
     eval_prompts: int = 32
     eval_batch: int = 8  # speculation pays best at small to moderate batch on an MoE target (DESIGN 4)
     timing_repeats: int = 2
+    # the end point's repeats (0: timing_repeats): the end-of-run speed-ups are the run's headline
+    # ratios, so they get more turns to find each arm's uninterrupted speed on a noisy machine
+    final_timing_repeats: int = 0
     reference_every: int = 0  # retrain the reference at every N-th evaluation point (0: at the end only)
     speed_batches: tuple[int, ...] = (1, 4, 16, 64)  # the end-of-run speed-up vs batch size sweep
 
     def __post_init__(self) -> None:
         require_positive(self, ("eval_every", "eval_prompts", "eval_batch", "timing_repeats"), DriftError)
+        if isinstance(self.final_timing_repeats, bool) or not isinstance(self.final_timing_repeats, int) \
+                or self.final_timing_repeats < 0:
+            raise DriftError(f"final_timing_repeats must be a non-negative integer, got {self.final_timing_repeats!r}")
         if isinstance(self.reference_every, bool) or not isinstance(self.reference_every, int) or self.reference_every < 0:
             raise DriftError(f"reference_every must be a non-negative integer, got {self.reference_every!r}")
         if not self.speed_batches or any(b <= 0 for b in self.speed_batches):
@@ -100,7 +106,8 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
                                         cotrain=dataclasses.replace(DRIFT_COTRAIN_FIXED, max_draft_steps=2)),
                            eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
                            reference_every=1),
-    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3, reference_every=1),
+    "quick": DriftPreset(rl=RL_PRESETS["drift"], eval_every=20, timing_repeats=3, final_timing_repeats=6,
+                         reference_every=1),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                      cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64,
                       reference_every=1),
@@ -181,7 +188,8 @@ class DriftEvaluator(RLCallback):
     def evaluate(self, run: RLRun, step: int, final: bool = False) -> None:
         run.policy.eval()
         params = self.eval_params(run)
-        results = self.time_arms(run, self.drafts(run, step, final), self.preset.eval_batch, self.prompts, params)
+        results = self.time_arms(run, self.drafts(run, step, final), self.preset.eval_batch, self.prompts, params,
+                                 repeats=self.preset.final_timing_repeats if final else 0)
         self.points += 1
         plain = results.pop("plain")
         self.rows.append({"step": step, "arm": "plain", "tokens": plain["tokens"],
@@ -201,14 +209,15 @@ class DriftEvaluator(RLCallback):
             pts["online"]["online_over_reference"] = pts["online"]["accept_length"] / pts["reference"]["accept_length"]
         self._log_point(step)
 
-    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params) -> dict[str, dict]:
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int = 0) -> dict[str, dict]:
         """Each arm's engine at this batch size, timed in turns on the same prompts. `arms` maps
-        a name to a draft, a ready Speculator, or None for plain decoding."""
+        a name to a draft, a ready Speculator, or None for plain decoding; `repeats` 0 means the
+        preset's timing_repeats."""
         spec = run.preset.cotrain.spec
         engines = {arm: EmbeddedEngine(run.policy, EngineConfig(max_batch=batch),
                                        speculator=d if d is None or isinstance(d, Speculator) else Speculator(d, spec))
                    for arm, d in arms.items()}
-        return timed_generate_interleaved(engines, prompts, params, repeats=self.preset.timing_repeats)
+        return timed_generate_interleaved(engines, prompts, params, repeats=repeats or self.preset.timing_repeats)
 
     def speed_vs_batch(self, run: RLRun) -> list[dict]:
         """Speed-up of each draft over plain decoding at several batch sizes, final policy."""

@@ -51,7 +51,7 @@ class VLLMDriftEvaluator(DriftEvaluator):
     def online_draft(self, run: RLRun):
         return run.engine.draft  # the copy the engine speculates with (pushed after each update)
 
-    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params) -> dict[str, dict]:
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int = 0) -> dict[str, dict]:
         from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         if self.plain_engine is None:
@@ -64,7 +64,7 @@ class VLLMDriftEvaluator(DriftEvaluator):
         engines = {arm: Grouped(self.plain_engine, batch) if d is None else SwappedDraft(spec, d, batch)
                    for arm, d in arms.items()}
         try:
-            return timed_generate_interleaved(engines, prompts, params, repeats=self.preset.timing_repeats)
+            return timed_generate_interleaved(engines, prompts, params, repeats=repeats or self.preset.timing_repeats)
         finally:
             spec.push_draft(online, version)
 

@@ -33,15 +33,20 @@ def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
 
 def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2) -> dict[str, dict]:
     """`timed_generate` for several engines, taking turns within each repeat, so a slow spell of
-    a noisy machine hits every engine alike instead of whichever ran during it. An engine with a
+    a noisy machine hits every engine alike instead of whichever ran during it. The turn order
+    rotates by one engine per repeat, so no engine always runs right after the same other one
+    (a call can leave the allocator or caches in a state that slows the next). An engine with a
     `ready()` method (an arm that shares a live engine with others and swaps its draft in) is
     readied before each of its calls, outside the clock."""
     for engine in engines.values():
         getattr(engine, "ready", lambda: None)()
         engine.generate(prompts[: min(len(prompts), 2)], params)
     best: dict[str, dict] = {}
-    for _ in range(repeats):
-        for name, engine in engines.items():
+    names = list(engines)
+    for rep in range(repeats):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            engine = engines[name]
             getattr(engine, "ready", lambda: None)()
             t0 = time.perf_counter()
             trajs = engine.generate(prompts, params)
@@ -49,7 +54,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2)
             n = sum(len(t.token_ids) for t in trajs)
             if name not in best or n / wall > best[name]["tokens_per_s"]:
                 best[name] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs}
-    return best
+    return {name: best[name] for name in names}
 
 
 def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0,
@@ -73,7 +78,7 @@ def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int]
 MEASUREMENT = {
     "tokens_per_s": "generated tokens / wall seconds of one EmbeddedEngine.generate() call on the row's prompts, "
                     "best of the timed repeats after one warm-up call; engines of one batch size take turns "
-                    "within each repeat (no profiler attached)",
+                    "within each repeat, the order rotating by one per repeat (no profiler attached)",
     "accept_length": "tokens emitted per verify step (accepted drafts + the target's own), over all sequences",
     "alpha": "accepted / drafted draft tokens",
     "target_step_s": "lower quartile (25th percentile, robust to OS preemption) of the wall time of the target's forward in the plain engine's real decode steps "

@@ -124,3 +124,12 @@ def test_speed_sweep(sft_policy, tmp_path):
 def test_full_and_quick_presets_track_the_reference_at_every_point():
     assert get_drift_preset("full").reference_every == 1
     assert get_drift_preset("quick").reference_every == 1  # online / reference per point (issue 14)
+
+
+def test_drift_preset_rejects_bad_final_timing_repeats():
+    from experiments.drift import DriftPreset
+    quick = get_drift_preset("quick")
+    assert quick.final_timing_repeats > quick.timing_repeats  # the headline end-of-run ratios get more turns
+    for bad in (-1, 1.5, True):
+        with pytest.raises(DriftError, match="final_timing_repeats"):
+            DriftPreset(rl=quick.rl, final_timing_repeats=bad)

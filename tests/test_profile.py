@@ -82,3 +82,24 @@ def test_profiled_engine_steps(sft_policy, offline_draft, one_thread, mode):
     assert prof["spec"]["steps"] == costs["cost_samples"]["spec_steps"]
     # a batch size no step ran at gives no figures rather than wrong ones
     assert engine_step_costs(plain_prof, spec_prof, 7, 3)["c"] is None
+
+
+def test_interleaved_timing_rotates_the_turn_order():
+    """Each repeat starts one engine later than the previous one; results keep the engines' order."""
+    from specrl.bench import timed_generate_interleaved
+    calls = []
+
+    class Recorder:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompts, params):
+            calls.append((self.name, len(prompts)))
+            return []
+
+    engines = {n: Recorder(n) for n in ("plain", "frozen", "online")}
+    out = timed_generate_interleaved(engines, [[1]] * 4, None, repeats=4)
+    timed = [n for n, k in calls if k == 4]  # the warm-up calls take at most 2 prompts
+    assert timed == ["plain", "frozen", "online", "frozen", "online", "plain",
+                     "online", "plain", "frozen", "plain", "frozen", "online"]
+    assert list(out) == ["plain", "frozen", "online"]
