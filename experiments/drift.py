@@ -60,7 +60,7 @@ from target_training.grpo import pack_batch
 ARMS = ("plain", "frozen", "online", "reference")
 # fields of summary.json that come from the wall clock and differ between runs of one seed
 TIMING_FIELDS = ("speedup_frozen_start", "speedup_frozen_end", "speedup_online_end", "speedup_reference_end",
-                 "speedup_vs_batch", "plain_tokens_per_s_end", "draft_added_fraction",
+                 "speedup_vs_batch", "speedup_vs_batch_deep_target", "plain_tokens_per_s_end", "draft_added_fraction",
                  "rl_step_s", "wall_s")
 
 
@@ -80,6 +80,10 @@ class DriftPreset:
     final_timing_repeats: int = 0
     reference_every: int = 0  # retrain the reference at every N-th evaluation point (0: at the end only)
     speed_batches: tuple[int, ...] = (1, 4, 16, 64)  # the end-of-run speed-up vs batch size sweep
+    # a model preset (e.g. "speed") whose SFT policy and offline draft get the same sweep after the
+    # run: what speculation gives at a realistic draft/target cost ratio (the drifting policy is
+    # small, so a draft step costs a quarter of its step); "" for none
+    deep_target: str = ""
 
     def __post_init__(self) -> None:
         require_positive(self, ("eval_every", "eval_prompts", "eval_batch", "timing_repeats"), DriftError)
@@ -90,6 +94,9 @@ class DriftPreset:
             raise DriftError(f"reference_every must be a non-negative integer, got {self.reference_every!r}")
         if not self.speed_batches or any(b <= 0 for b in self.speed_batches):
             raise DriftError(f"speed_batches must be positive batch sizes, got {self.speed_batches}")
+        if self.deep_target and self.deep_target not in RL_PRESETS:
+            raise DriftError(f"deep_target must be a model preset ({', '.join(sorted(RL_PRESETS))}), "
+                             f"got {self.deep_target!r}")
 
 
 def _drift_rl(base: str, **kw) -> RunPreset:
@@ -110,7 +117,7 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
                          reference_every=1),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                      cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64,
-                      reference_every=1),
+                      reference_every=1, deep_target="speed"),
 }
 
 
@@ -135,12 +142,13 @@ def policy_kl(policy, start_policy, trajectories, temperature: float) -> float:
 class DriftEvaluator(RLCallback):
     """Evaluates the four arms at step 0, every `eval_every` steps and at the end of the run."""
 
-    def __init__(self, preset: DriftPreset, log=print):
-        self.preset, self.log = preset, log
+    def __init__(self, preset: DriftPreset, log=print, task: str = "arith"):
+        self.preset, self.log, self.task = preset, log, task  # task: the run's task name or file
         self.rows: list[dict] = []
         self.frozen_draft = self.start_policy = self.prompts = None
         self.reference_draft = None
         self.speed_rows: list[dict] = []
+        self.deep_rows: list[dict] = []
         self.points = 0  # evaluation points done
 
     # -- callbacks ---------------------------------------------------------------------------
@@ -159,6 +167,8 @@ class DriftEvaluator(RLCallback):
     def on_end(self, run: RLRun, summary: dict) -> None:
         self.evaluate(run, step=run.preset.rl_steps, final=True)
         self.speed_rows = self.speed_vs_batch(run)
+        if self.preset.deep_target:
+            self.deep_rows = self.deep_target_sweep(run)
 
     # -- measurement -------------------------------------------------------------------------
     def eval_params(self, run: RLRun):
@@ -242,6 +252,34 @@ class DriftEvaluator(RLCallback):
                      for arm, r in results.items()]
         return rows
 
+    def deep_target_sweep(self, run: RLRun) -> list[dict]:
+        """The speed-against-batch sweep on the deeper target (`DriftPreset.deep_target`): its SFT
+        policy and offline draft (trained once and cached), not drifted, decoding with the run's
+        chain length and sampling. Chain and adaptive arms as `specrl bench speed` measures them,
+        with the bound's parts (c, verify cost) from the engine's own steps."""
+        from specrl.bench import measure_batch, speed_setup
+
+        t0 = time.perf_counter()
+        spec = run.preset.cotrain.spec
+        temperature = self.eval_params(run).temperature
+        policy, draft, params, prompts_for = speed_setup(self.task, self.preset.deep_target, run.seed,
+                                                         run.cache_dir, temperature)
+        rows = []
+        for b in self.preset.speed_batches:
+            n = max(2 * b, 4)
+            pool = prompts_for(2 * n)
+            for row in measure_batch(policy, draft, pool[:n], params, b, [spec], repeats=self.preset.timing_repeats,
+                                     adaptive_gammas=tuple(range(1, spec.gamma + 1)), warm_prompts=pool[n:]):
+                if row.get("identical_to_plain") is False:
+                    raise RuntimeError(f"the deep target's {row['mode']} arm changed the generated tokens at batch {b}")
+                row.pop("profile", None)
+                rows.append({"preset": self.preset.deep_target, "engine": "embedded",
+                             "target_layers": policy.cfg.num_layers, **row})
+        self.log(f"[drift] deep target {self.preset.deep_target!r} ({policy.cfg.num_layers} layers): "
+                 + "  ".join(f"b{r['batch']} {r['mode']} x{r['speedup']:.2f}" for r in rows if r["mode"] != "plain")
+                 + f"  ({time.perf_counter() - t0:.0f}s)")
+        return rows
+
     def summary_notes(self) -> dict:
         """Engine-specific facts for summary.json (how the arms decoded)."""
         return {"eval_decoding": "sampled at the rollout temperature"}
@@ -288,6 +326,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "speedup_online_end": at(last_step, "online", "speedup"),
         "speedup_reference_end": at(last_step, "reference", "speedup"),
         "speedup_vs_batch": evaluator.speed_rows,
+        "speedup_vs_batch_deep_target": evaluator.deep_rows,  # [] unless the preset names a deep target
         "plain_tokens_per_s_end": at(last_step, "plain", "tokens_per_s"),
         "draft_added_fraction": draft_s / max(step_s - draft_s, 1e-9),  # see the module docstring
         "rl_step_s": step_s / max(1, len(rl_rows)),
@@ -305,13 +344,17 @@ def deterministic_part(summary: dict) -> dict:
 
 def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
               progress: bool = True, plots: bool = True, reference_every: int | None = None,
-              engine: str = "embedded", rl_steps: int | None = None, log=print) -> dict:
+              engine: str = "embedded", rl_steps: int | None = None, deep_target: str | None = None,
+              log=print) -> dict:
     """The experiment on `engine` ("embedded", or "vllm": experiments.drift_vllm). `rl_steps`
-    shortens the preset's RL run (evaluation points stay every `eval_every` steps and at the end)."""
+    shortens the preset's RL run (evaluation points stay every `eval_every` steps and at the end);
+    `deep_target` overrides the preset's (a model preset name, "" for none)."""
     t0 = time.perf_counter()
     preset = preset if isinstance(preset, DriftPreset) else get_drift_preset(preset)
     if reference_every is not None:
         preset = dataclasses.replace(preset, reference_every=reference_every)  # validated by DriftPreset
+    if deep_target is not None:
+        preset = dataclasses.replace(preset, deep_target=deep_target)  # validated by DriftPreset
     if rl_steps is not None:
         preset = dataclasses.replace(preset, rl=preset.rl.with_overrides(rl_steps=rl_steps))  # validated by RunPreset
     out = Path(out_dir)
@@ -327,7 +370,7 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
     else:
         raise DriftError(f"unknown engine {engine!r}; choose embedded or vllm")
     out.mkdir(parents=True, exist_ok=True)
-    evaluator = evaluator_cls(preset, log=log)
+    evaluator = evaluator_cls(preset, log=log, task=task)
     rl_summary = train_rl(task, preset.rl, out / "rl", seed=seed, cache_dir=cache_dir, progress=progress,
                           spec="online", engine=engine, callbacks=(evaluator,), log=log)
     rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line]

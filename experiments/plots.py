@@ -160,7 +160,9 @@ def drift_plots(out) -> list[Path]:
     plot_arms(rows, "speedup", "speed-up over plain decoding", paths[1], hline=1.0)
     plot_reward(rl_rows, rows, paths[2])
     plot_acceptance_heatmap(rows, paths[3])
-    plot_speedup_vs_batch(summary["speedup_vs_batch"], paths[4])
+    deep = [{"batch": r["batch"], "arm": f"{r['preset']} target ({r['target_layers']} layers), {r['mode']}",
+             "speedup": r["speedup"]} for r in summary.get("speedup_vs_batch_deep_target", []) if r["mode"] != "plain"]
+    plot_speedup_vs_batch(summary["speedup_vs_batch"] + deep, paths[4])
     return paths
 
 

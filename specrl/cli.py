@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout and evaluation engine (vllm: installed separately; arms decode greedily)")
     p.add_argument("--steps", type=int, default=None,
                    help="shorten the preset's RL run to this many GRPO steps (a reduced run; say so when quoting it)")
+    p.add_argument("--deep-target", default=None, metavar="PRESET",
+                   help="after the run, the same speed-against-batch sweep on this model preset's SFT policy and "
+                        "offline draft, e.g. speed (a 12-layer target); '' for none (default: the preset's, "
+                        "speed for full)")
     p = sub.add_parser("speed", help="speed sweeps over batch size, chain length and tree budget, with the bound")
     _add_common(p)
     p.add_argument("--batches", default="1,4,16,64")
@@ -189,7 +193,7 @@ def run(args: argparse.Namespace) -> dict:
 
         return run_drift(args.preset, args.out, seed=args.seed, task=args.task, cache_dir=args.cache_dir,
                          progress=not args.no_progress, reference_every=args.reference_every,
-                         engine=args.engine, rl_steps=args.steps)
+                         engine=args.engine, rl_steps=args.steps, deep_target=args.deep_target)
     if args.command == "speed":
         from experiments.speed import run_speed
         from rollout.speculative import MAX_SPEC_DEPTH, MAX_TREE_BUDGET

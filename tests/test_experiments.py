@@ -22,7 +22,7 @@ def drift_runs(tmp_path_factory, sft_policy):
     cache = sft_policy[3]
     root = tmp_path_factory.mktemp("drift")
     quiet = dict(cache_dir=cache, progress=False, log=lambda *a: None)
-    first = run_drift("ci", root / "a", seed=1, **quiet)
+    first = run_drift("ci", root / "a", seed=1, deep_target="ci", **quiet)  # the sweep's deeper target: CI-sized
     second = run_drift("ci", root / "b", seed=1, plots=False, **quiet)
     return root, first, second
 
@@ -64,6 +64,16 @@ def test_drift_outputs(drift_runs):
     assert summary["kl_end"] > 0
     assert 1.0 <= summary["tau_frozen_end"] <= 1.0 + preset.rl.cotrain.spec.gamma
     assert summary["tau_online_end"] != summary["tau_frozen_end"]
+    # the deep target's sweep: plain, chain and adaptive at every sweep batch, lossless, with the bound's parts
+    deep = summary["speedup_vs_batch_deep_target"]
+    assert [(r["batch"], r["mode"]) for r in deep] == [(b, m) for b in preset.speed_batches
+                                                       for m in ("plain", "chain", "adaptive")]
+    for r in deep:
+        assert r["preset"] == "ci" and r["target_layers"] > 0 and r["tokens_per_s"] > 0
+        if r["mode"] == "chain":
+            assert r["identical_to_plain"] and r["gamma"] == preset.rl.cotrain.spec.gamma
+            assert r["c"] > 0 and r["bound"] == pytest.approx(r["accept_length"] / (r["verify_cost"] + r["gamma"] * r["c"]),
+                                                              rel=1e-3)
 
 
 def test_drift_same_seed_same_summary(drift_runs):
@@ -124,6 +134,12 @@ def test_speed_sweep(sft_policy, tmp_path):
 def test_full_and_quick_presets_track_the_reference_at_every_point():
     assert get_drift_preset("full").reference_every == 1
     assert get_drift_preset("quick").reference_every == 1  # online / reference per point (issue 14)
+
+
+def test_drift_preset_rejects_an_unknown_deep_target(tmp_path, capsys):
+    assert get_drift_preset("full").deep_target == "speed" and get_drift_preset("quick").deep_target == ""
+    assert main(["drift", "--preset", "ci", "--deep-target", "huge", "--out", str(tmp_path / "z")]) == 2
+    assert "deep_target must be a model preset" in capsys.readouterr().err and not (tmp_path / "z").exists()
 
 
 def test_drift_preset_rejects_bad_final_timing_repeats():
