@@ -5,6 +5,7 @@ that the machinery produces every promised output, that one seed reproduces the 
 (apart from the documented timing fields) and that the notebook runs on a real output folder."""
 import json
 import os
+import statistics
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ from experiments.drift import TIMING_FIELDS, DriftError, deterministic_part, get
 from specrl.cli import main
 
 REQUIRED = ("tau_start", "tau_frozen_end", "tau_online_end", "tau_reference_end", "speedup_frozen_end",
-            "speedup_online_end", "reward_start", "reward_end", "kl_end", "wall_s", "seed")
+            "speedup_online_end", "speedup_online_over_frozen_end", "online_over_frozen_steps_end", "reward_start",
+            "reward_end", "kl_end", "wall_s", "seed")
 PLOTS = ("accept_length.png", "speedup.png", "reward.png", "acceptance_heatmap.png", "speedup_vs_batch.png")
 
 
@@ -49,6 +51,12 @@ def test_drift_outputs(drift_runs):
         assert ratio == pts["online"]["accept_length"] / pts["reference"]["accept_length"]
         ratios.append(ratio)
     assert ratios[0] == 1.0  # step 0: online and reference are both the starting draft
+    end = {r["arm"]: r for r in rows if r["step"] == steps[-1]}
+    assert all(isinstance(r["engine_steps"], int) and r["engine_steps"] > 0 for r in end.values())
+    assert summary["online_over_frozen_steps_end"] == end["frozen"]["engine_steps"] / end["online"]["engine_steps"]
+    per_repeat = [o / f for o, f in zip(end["online"]["tokens_per_s_repeats"], end["frozen"]["tokens_per_s_repeats"])]
+    assert len(per_repeat) == (preset.final_timing_repeats or preset.timing_repeats)
+    assert summary["speedup_online_over_frozen_end"] == pytest.approx(statistics.median(per_repeat))
     assert summary["online_over_reference_min"] == min(ratios)
     assert summary["reference_steps"] == steps
     assert 0.0 <= summary["draft_added_fraction"] < 10.0
