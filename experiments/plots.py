@@ -16,6 +16,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 ARM_STYLE = {"plain": dict(color="0.4", ls=":"), "frozen": dict(color="tab:red", marker="o"),
              "online": dict(color="tab:blue", marker="s"), "reference": dict(color="tab:green", marker="^", ls="none"),
              "adaptive": dict(color="tab:cyan", marker="D", ls="--")}
+# the deeper target's rows in the drift run's batch sweep (DriftPreset.deep_target), by mode
+DEEP_STYLE = {"chain": dict(color="0.15", marker="P", ls="-."), "adaptive": dict(color="0.55", marker="X", ls="-.")}
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -83,12 +85,19 @@ def plot_acceptance_heatmap(rows, path: Path, arms=("frozen", "online")):
     plt.close(fig)
 
 
-def plot_speedup_vs_batch(speed_rows, path: Path, bound_rows=None):
-    fig, ax = plt.subplots(figsize=(6, 3.6))
+def plot_speedup_vs_batch(speed_rows, path: Path, bound_rows=None, deep_rows=()):
+    """Speed-up against batch size per arm; `deep_rows` (a drift run's deep-target sweep) are
+    drawn beside them, one line per mode, labelled with the target's preset and depth."""
+    fig, ax = plt.subplots(figsize=(7.5 if deep_rows else 6, 3.6))
     arms = [a for a in dict.fromkeys(r["arm"] for r in speed_rows) if a != "plain"]
     for arm in arms:
         pts = sorted((r["batch"], r["speedup"]) for r in speed_rows if r["arm"] == arm)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=arm, **ARM_STYLE.get(arm, dict(marker="o")))
+    for mode in [m for m in dict.fromkeys(r["mode"] for r in deep_rows) if m != "plain"]:
+        rows = [r for r in deep_rows if r["mode"] == mode]
+        pts = sorted((r["batch"], r["speedup"]) for r in rows)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{rows[0]['target_layers']}-layer target, {mode}",
+                **DEEP_STYLE.get(mode, dict(marker="o")))
     if bound_rows:
         pts = sorted((r["batch"], r["bound"]) for r in bound_rows)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.3", ls="--", label="bound (DESIGN 4)")
@@ -96,7 +105,10 @@ def plot_speedup_vs_batch(speed_rows, path: Path, bound_rows=None):
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("speed-up over plain decoding")
-    ax.legend()
+    if deep_rows:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    else:
+        ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -160,9 +172,7 @@ def drift_plots(out) -> list[Path]:
     plot_arms(rows, "speedup", "speed-up over plain decoding", paths[1], hline=1.0)
     plot_reward(rl_rows, rows, paths[2])
     plot_acceptance_heatmap(rows, paths[3])
-    deep = [{"batch": r["batch"], "arm": f"{r['preset']} target ({r['target_layers']} layers), {r['mode']}",
-             "speedup": r["speedup"]} for r in summary.get("speedup_vs_batch_deep_target", []) if r["mode"] != "plain"]
-    plot_speedup_vs_batch(summary["speedup_vs_batch"] + deep, paths[4])
+    plot_speedup_vs_batch(summary["speedup_vs_batch"], paths[4], deep_rows=summary.get("speedup_vs_batch_deep_target", []))
     return paths
 
 
