@@ -31,16 +31,21 @@ def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
     return timed_generate_interleaved({"engine": engine}, prompts, params, repeats)["engine"]
 
 
-def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2) -> dict[str, dict]:
+def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2, profile=()) -> dict[str, dict]:
     """`timed_generate` for several engines, taking turns within each repeat, so a slow spell of
     a noisy machine hits every engine alike instead of whichever ran during it. The turn order
     rotates by one engine per repeat, so no engine always runs right after the same other one
     (a call can leave the allocator or caches in a state that slows the next). An engine with a
     `ready()` method (an arm that shares a live engine with others and swaps its draft in) is
-    readied before each of its calls, outside the clock."""
+    readied before each of its calls, outside the clock. The engines named in `profile` carry
+    one StepProfiler through all their timed calls (not the warm-up), returned as "profiler"."""
+    from rollout.profile import StepProfiler
+
     for engine in engines.values():
         getattr(engine, "ready", lambda: None)()
         engine.generate(prompts[: min(len(prompts), 2)], params)
+    for name in profile:
+        engines[name].profiler = StepProfiler(engines[name].device)
     best: dict[str, dict] = {}
     names = list(engines)
     per_repeat: dict[str, list[float]] = {name: [] for name in names}
@@ -59,9 +64,13 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2)
                 steps = (getattr(engine, "last_stats", None) or {}).get("engine_steps")
                 best[name] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs,
                               "engine_steps": steps}
+    profilers = {}
+    for name in profile:
+        profilers[name], engines[name].profiler = engines[name].profiler, None
     # tokens/s of every repeat, in repeat order: ratios between engines per repeat are their
     # least noisy comparison (both ran within seconds of each other)
-    return {name: {**best[name], "tokens_per_s_repeats": per_repeat[name]} for name in names}
+    return {name: {**best[name], "tokens_per_s_repeats": per_repeat[name],
+                   **({"profiler": profilers[name]} if name in profilers else {})} for name in names}
 
 
 def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0,
@@ -85,12 +94,16 @@ def bench_generate(task_name: str, preset_name: str, out_dir, batches: list[int]
 MEASUREMENT = {
     "tokens_per_s": "generated tokens / wall seconds of one EmbeddedEngine.generate() call on the row's prompts, "
                     "best of the timed repeats after one warm-up call; engines of one batch size take turns "
-                    "within each repeat, the order rotating by one per repeat (no profiler attached)",
+                    "within each repeat, the order rotating by one per repeat (on CPU with the step profiler "
+                    "attached, see target_step_s; on CUDA without)",
     "accept_length": "tokens emitted per verify step (accepted drafts + the target's own), over all sequences",
     "alpha": "accepted / drafted draft tokens",
     "target_step_s": "lower quartile (25th percentile, robust to OS preemption) of the wall time of the target's forward in the plain engine's real decode steps "
                      "(EmbeddedEngine._decode_step on the row's prompts, steps with every slot busy and no "
-                     "admitted prompt riding along), from one extra profiled run (rollout.profile)",
+                     "admitted prompt riding along), rollout.profile: on CPU from the timed repeats "
+                     "themselves, pooled (a profiler mark there is one clock read, so the bound's parts come "
+                     "from the very calls whose speed-up is reported); on CUDA, where a mark synchronises the "
+                     "device, from one extra profiled run",
     "verify_s": "lower quartile of the wall time of the target's verify forward in the speculative engine's real steps "
                 "(SpecSession.step: real drafted tokens, so the experts a real block wakes), same step selection",
     "draft_step_s": "lower quartile of the draft time of a real speculative step (the forward over the pending target features, "
@@ -105,7 +118,8 @@ MEASUREMENT = {
                     "statistic moves the bound (a forward's spread is partly real work, which experts a block "
                     "wakes and how long its context is, and partly preemption)",
     "efficiency_median": "speedup / bound_median",
-    "profile": "mean seconds per step of each phase (rollout.profile) over the profiled run's full-batch steps",
+    "profile": "mean seconds per step of each phase (rollout.profile) over the profiled full-batch steps "
+               "(the same steps as target_step_s)",
 }
 
 
@@ -178,8 +192,9 @@ def adaptive_speculator(draft, spec_cfg, gammas):
 def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repeats: int = 3,
                   adaptive_gammas=None, warm_prompts=None) -> list[dict]:
     """Plain decoding and every speculative configuration at one batch size, on the same
-    prompts: timed in turns (`timed_generate_interleaved`), then one profiled run each for the
-    bound's measured parts. With `adaptive_gammas`, also the chain draft under the controller,
+    prompts: timed in turns (`timed_generate_interleaved`), the bound's parts measured on the
+    timed calls' own steps (on CUDA, where a profiler mark synchronises, on one extra profiled
+    run each). With `adaptive_gammas`, also the chain draft under the controller,
     whose statistics are warmed on `warm_prompts` (other prompts) before any timing."""
     from rollout.speculative import Speculator
 
@@ -191,8 +206,11 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
                                              speculator=adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas))
         for _ in range(2):
             engines["adaptive"].generate(warm_prompts, params)
-    timed = timed_generate_interleaved(engines, prompts, params, repeats)
-    profs = {name: profiled_run(e, prompts, params)[1] for name, e in engines.items() if name != "adaptive"}
+    profiled = [name for name in engines if name != "adaptive"]
+    in_timed = engines["plain"].device.type == "cpu"  # a CUDA mark synchronises the device: profile apart there
+    timed = timed_generate_interleaved(engines, prompts, params, repeats, profile=profiled if in_timed else ())
+    profs = {name: timed[name]["profiler"] if in_timed else profiled_run(engines[name], prompts, params)[1]
+             for name in profiled}
     plain = timed["plain"]
     rows = [{"batch": batch, "mode": "plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0,
              "profile": step_profile(profs["plain"], batch)}]

@@ -103,3 +103,21 @@ def test_interleaved_timing_rotates_the_turn_order():
     assert timed == ["plain", "frozen", "online", "frozen", "online", "plain",
                      "online", "plain", "frozen", "plain", "frozen", "online"]
     assert list(out) == ["plain", "frozen", "online"]
+
+
+def test_bound_parts_come_from_the_timed_calls_on_cpu(sft_policy, offline_draft, one_thread):
+    """On CPU the profiler rides along the timed repeats: the bound's samples are those repeats'
+    full-batch steps, pooled (twice one profiled run's for 2 repeats), and no profiler is left on."""
+    from specrl.bench import measure_batch
+    tokenizer, task, policy, _ = sft_policy
+    prompts = encode_prompts(tokenizer, task.examples("heldout", 6, 3))
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
+    cfg = SpecConfig(mode="chain", gamma=3)
+    _, plain_prof = profiled_run(EmbeddedEngine(policy, EngineConfig(max_batch=3)), prompts, params)
+    _, spec_prof = profiled_run(EmbeddedEngine(policy, EngineConfig(max_batch=3), speculator=Speculator(offline_draft, cfg)),
+                                prompts, params)
+    one_run = engine_step_costs(plain_prof, spec_prof, 3, 3)["cost_samples"]
+    plain_row, chain_row = measure_batch(policy, offline_draft, prompts, params, 3, [cfg], repeats=2)
+    assert chain_row["cost_samples"] == {k: 2 * v for k, v in one_run.items()}
+    assert chain_row["identical_to_plain"] and chain_row["c"] > 0
+    assert plain_row["profile"]["plain"]["steps"] == 2 * one_run["plain_steps"]
