@@ -44,8 +44,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
     for engine in engines.values():
         getattr(engine, "ready", lambda: None)()
         engine.generate(prompts[: min(len(prompts), 2)], params)
-    for name in profile:
-        engines[name].profiler = StepProfiler(engines[name].device)
+    profilers = {name: StepProfiler(engines[name].device) for name in profile}
     best: dict[str, dict] = {}
     names = list(engines)
     per_repeat: dict[str, list[float]] = {name: [] for name in names}
@@ -54,9 +53,15 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
         for name in names[shift:] + names[:shift]:
             engine = engines[name]
             getattr(engine, "ready", lambda: None)()
-            t0 = time.perf_counter()
-            trajs = engine.generate(prompts, params)
-            wall = time.perf_counter() - t0
+            if name in profilers:
+                engine.profiler = profilers[name]
+            try:
+                t0 = time.perf_counter()
+                trajs = engine.generate(prompts, params)
+                wall = time.perf_counter() - t0
+            finally:
+                if name in profilers:
+                    engine.profiler = None
             n = sum(len(t.token_ids) for t in trajs)
             per_repeat[name].append(n / wall)
             if name not in best or n / wall > best[name]["tokens_per_s"]:
@@ -64,9 +69,6 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
                 steps = (getattr(engine, "last_stats", None) or {}).get("engine_steps")
                 best[name] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs,
                               "engine_steps": steps}
-    profilers = {}
-    for name in profile:
-        profilers[name], engines[name].profiler = engines[name].profiler, None
     # tokens/s of every repeat, in repeat order: ratios between engines per repeat are their
     # least noisy comparison (both ran within seconds of each other)
     return {name: {**best[name], "tokens_per_s_repeats": per_repeat[name],
