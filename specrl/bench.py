@@ -122,6 +122,11 @@ MEASUREMENT = {
     "efficiency_median": "speedup / bound_median",
     "profile": "mean seconds per step of each phase (rollout.profile) over the profiled full-batch steps "
                "(the same steps as target_step_s)",
+    "efficiency_factors": "efficiency as a product of three factors (specrl.bench.efficiency_factors): timed "
+                          "speed-up over the speed-up the full-batch steps' mean times imply (the cost of "
+                          "admissions and the partial-batch tail), that over the speed-up their forwards' mean "
+                          "times imply (the loop around the forwards), that over the bound (mean vs lower "
+                          "quartile)",
 }
 
 
@@ -161,6 +166,22 @@ def step_profile(prof, batch: int) -> dict:
         if recs:
             out[kind] = phase_breakdown(recs, phases)
     return out
+
+
+def efficiency_factors(row: dict, plain_profile: dict) -> dict | None:
+    """Efficiency (speedup / bound) as the product of three factors, from the full-batch steps'
+    mean phase times (`step_profile`): the timed speed-up over the speed-up those steps imply
+    (what the steps outside them cost: admissions with their prefill, the partial-batch tail),
+    that over the speed-up their forwards alone imply (the loop around the forwards), and that
+    over the bound (mean against lower-quartile forward times). None without the profiles."""
+    spec, plain = row["profile"].get("spec"), plain_profile.get("plain")
+    if spec is None or plain is None or row["bound"] is None:
+        return None
+    tau = row["accept_length"]
+    steps = tau * plain["step_s"] / spec["step_s"]
+    forwards = tau * plain["phase_s"]["forward"] / (spec["phase_s"]["verify_forward"] + spec["phase_s"]["draft"])
+    return {"outside_full_batch_steps": row["speedup"] / steps, "loop_around_forwards": steps / forwards,
+            "mean_over_quartile": forwards / row["bound"]}
 
 
 def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, profile: dict) -> dict:
@@ -218,7 +239,9 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
              "profile": step_profile(profs["plain"], batch)}]
     for i, scfg in enumerate(spec_cfgs):
         costs = engine_step_costs(profs["plain"], profs[i], batch, scfg.gamma)
-        rows.append(spec_row(batch, scfg, timed[i], plain, costs, step_profile(profs[i], batch)))
+        row = spec_row(batch, scfg, timed[i], plain, costs, step_profile(profs[i], batch))
+        row["efficiency_factors"] = efficiency_factors(row, rows[0]["profile"])
+        rows.append(row)
     if adaptive_gammas:
         r = timed["adaptive"]
         agg = summarize_spec_stats(t.spec for t in r["trajectories"])
@@ -256,7 +279,9 @@ def format_row(row: dict) -> str:
             f"tau {_fmt(row.get('accept_length'))}  alpha {_fmt(row.get('alpha'))}  c {_fmt(row.get('c'), '.3f')}  "
             f"verify {_fmt(row.get('verify_cost'))}  bound {_fmt(row.get('bound'))}  eff {_fmt(row.get('efficiency'))}  "
             f"(median: bound {_fmt(row.get('bound_median'))} eff {_fmt(row.get('efficiency_median'))})  "
-            f"identical {_fmt(row.get('identical_to_plain'))}")
+            f"identical {_fmt(row.get('identical_to_plain'))}"
+            + ("  eff = " + " x ".join(f"{k} {v:.3f}" for k, v in row["efficiency_factors"].items())
+               if row.get("efficiency_factors") else ""))
 
 
 TABLE_COLUMNS = (("batch", "d"), ("mode", "s"), ("tokens_per_s", ".1f"), ("speedup", ".2f"), ("accept_length", ".2f"),

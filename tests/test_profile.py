@@ -1,5 +1,6 @@
 """Step profiling (rollout.profile), the batched emission of the speculative step, and the
 bound's parts measured on the engine's own steps (specrl.bench)."""
+import math
 import random
 
 import pytest
@@ -121,3 +122,7 @@ def test_bound_parts_come_from_the_timed_calls_on_cpu(sft_policy, offline_draft,
     assert chain_row["cost_samples"] == {k: 2 * v for k, v in one_run.items()}
     assert chain_row["identical_to_plain"] and chain_row["c"] > 0
     assert plain_row["profile"]["plain"]["steps"] == 2 * one_run["plain_steps"]
+    factors = chain_row["efficiency_factors"]  # the efficiency, split into where it goes
+    assert set(factors) == {"outside_full_batch_steps", "loop_around_forwards", "mean_over_quartile"}
+    assert factors["loop_around_forwards"] < 1.0  # the loop around the forwards is never free
+    assert math.prod(factors.values()) == pytest.approx(chain_row["efficiency"], rel=1e-9)
