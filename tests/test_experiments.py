@@ -157,3 +157,17 @@ def test_drift_preset_rejects_bad_final_timing_repeats():
     for bad in (-1, 1.5, True):
         with pytest.raises(DriftError, match="final_timing_repeats"):
             DriftPreset(rl=quick.rl, final_timing_repeats=bad)
+
+
+@pytest.mark.slow
+def test_compiled_draft_measurement(sft_policy, tmp_path):
+    """experiments.compile_draft: every arm decodes plain decoding's tokens (a compiled draft can
+    only change acceptance, and only by rounding), and every arm is timed and saved."""
+    from experiments.compile_draft import run
+    summary = run(tmp_path, preset="ci", batches=(2,), repeats=1, prompts_per_batch=2, cache_dir=sft_policy[3],
+                  log=lambda *a: None)
+    rows = {r["arm"]: r for r in summary["rows"]}
+    assert set(rows) == {"plain", "eager", "compiled"}
+    assert all(r["identical_to_plain"] and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["compiled"]["engine_steps"] > 0 and rows["compiled"]["compile_warmup_s"] > 0
+    assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
