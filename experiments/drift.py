@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.protocol import summarize_spec_stats
+from rollout.protocol import same_tokens, summarize_spec_stats
 from rollout.speculative import Speculator
 from specrl.bench import machine_info, timed_generate_interleaved
 from specrl.controller import ControllerConfig, SpeculationController
@@ -109,6 +109,10 @@ class DriftPreset:
         if self.deep_target and self.deep_target not in RL_PRESETS:
             raise DriftError(f"deep_target must be a model preset ({', '.join(sorted(RL_PRESETS))}), "
                              f"got {self.deep_target!r}")
+
+    def repeats_at(self, final: bool) -> int:
+        """Timed repeats of an evaluation point (the end point's own count, if it has one)."""
+        return (self.final_timing_repeats or self.timing_repeats) if final else self.timing_repeats
 
 
 def _drift_rl(base: str, **kw) -> RunPreset:
@@ -211,7 +215,7 @@ class DriftEvaluator(RLCallback):
         run.policy.eval()
         params = self.eval_params(run)
         results = self.time_arms(run, self.drafts(run, step, final), self.preset.eval_batch, self.prompts, params,
-                                 repeats=self.preset.final_timing_repeats if final else 0)
+                                 self.preset.repeats_at(final))
         self.points += 1
         plain = results.pop("plain")
         self.rows.append({"step": step, "arm": "plain", "tokens": plain["tokens"],
@@ -220,7 +224,7 @@ class DriftEvaluator(RLCallback):
                           "kl_from_start": policy_kl(run.policy, self.start_policy, plain["trajectories"],
                                                      run.preset.temperature)})
         for arm, r in results.items():
-            if [t.token_ids for t in r["trajectories"]] != [t.token_ids for t in plain["trajectories"]]:
+            if not same_tokens(r["trajectories"], plain["trajectories"]):
                 raise RuntimeError(f"arm {arm!r} changed the generated tokens at step {step}")  # lossless or bust
             agg = summarize_spec_stats(t.spec for t in r["trajectories"])  # same in every repeat
             self.rows.append({"step": step, "arm": arm, "tokens": r["tokens"], "tokens_per_s": r["tokens_per_s"],
@@ -233,15 +237,14 @@ class DriftEvaluator(RLCallback):
             pts["online"]["online_over_reference"] = pts["online"]["accept_length"] / pts["reference"]["accept_length"]
         self._log_point(step)
 
-    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int = 0) -> dict[str, dict]:
-        """Each arm's engine at this batch size, timed in turns on the same prompts. `arms` maps
-        a name to a draft, a ready Speculator, or None for plain decoding; `repeats` 0 means the
-        preset's timing_repeats."""
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
+        """Each arm's engine at this batch size, timed in turns on the same prompts, `repeats`
+        times. `arms` maps a name to a draft, a ready Speculator, or None for plain decoding."""
         spec = run.preset.cotrain.spec
         engines = {arm: EmbeddedEngine(run.policy, EngineConfig(max_batch=batch),
                                        speculator=d if d is None or isinstance(d, Speculator) else Speculator(d, spec))
                    for arm, d in arms.items()}
-        return timed_generate_interleaved(engines, prompts, params, repeats=repeats or self.preset.timing_repeats)
+        return timed_generate_interleaved(engines, prompts, params, repeats)
 
     def speed_vs_batch(self, run: RLRun) -> list[dict]:
         """Speed-up of each draft over plain decoding at several batch sizes, final policy."""
@@ -260,7 +263,7 @@ class DriftEvaluator(RLCallback):
             arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
             prompts, warm = sweep_prompts(self.prompts, b), sweep_prompts(warm_pool, b)
             EmbeddedEngine(run.policy, EngineConfig(max_batch=b), speculator=arms["adaptive"]).generate(warm, params)
-            results = self.time_arms(run, arms, b, prompts, params)
+            results = self.time_arms(run, arms, b, prompts, params, self.preset.timing_repeats)
             base = results["plain"]["tokens_per_s"]
             rows += [{"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}
                      for arm, r in results.items()]
@@ -280,7 +283,7 @@ class DriftEvaluator(RLCallback):
                                                          run.cache_dir, temperature)
         rows = []
         for b in self.preset.speed_batches:
-            n = max(2 * b, 4)
+            n = sweep_size(b)
             pool = prompts_for(2 * n)
             for row in measure_batch(policy, draft, pool[:n], params, b, [spec], repeats=self.preset.timing_repeats,
                                      adaptive_gammas=tuple(range(1, spec.gamma + 1)), warm_prompts=pool[n:]):
@@ -306,9 +309,15 @@ class DriftEvaluator(RLCallback):
         self.log(f"[drift] step {step:>3}: KL {kl:.3f}  " + "  ".join(parts))
 
 
+def sweep_size(batch: int) -> int:
+    """Prompts per batch size in the speed sweeps: 2 * batch, at least 4."""
+    return max(2 * batch, 4)
+
+
 def sweep_prompts(pool: list, batch: int) -> list:
-    """The prompts of one batch size in the speed sweep: `pool` repeated to 2 * batch (at least 4)."""
-    return (pool * (1 + (2 * batch) // len(pool)))[: max(2 * batch, 4)]
+    """The prompts of one batch size in the speed sweep: `pool` repeated to `sweep_size(batch)`."""
+    n = sweep_size(batch)
+    return (pool * (1 + n // len(pool)))[:n]
 
 
 def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, seed: int, wall_s: float) -> dict:

@@ -51,7 +51,7 @@ class VLLMDriftEvaluator(DriftEvaluator):
     def online_draft(self, run: RLRun):
         return run.engine.draft  # the copy the engine speculates with (pushed after each update)
 
-    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int = 0) -> dict[str, dict]:
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
         from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         if self.plain_engine is None:
@@ -64,7 +64,7 @@ class VLLMDriftEvaluator(DriftEvaluator):
         engines = {arm: Grouped(self.plain_engine, batch) if d is None else SwappedDraft(spec, d, batch)
                    for arm, d in arms.items()}
         try:
-            return timed_generate_interleaved(engines, prompts, params, repeats=repeats or self.preset.timing_repeats)
+            return timed_generate_interleaved(engines, prompts, params, repeats)
         finally:
             spec.push_draft(online, version)
 
@@ -76,7 +76,7 @@ class VLLMDriftEvaluator(DriftEvaluator):
                 "reference": self.reference_draft}
         rows = []
         for b in self.preset.speed_batches:
-            results = self.time_arms(run, arms, b, sweep_prompts(self.prompts, b), params)
+            results = self.time_arms(run, arms, b, sweep_prompts(self.prompts, b), params, self.preset.timing_repeats)
             base = results["plain"]["tokens_per_s"]
             for arm, r in results.items():
                 row = {"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}

@@ -103,6 +103,12 @@ def summarize_spec_stats(stats) -> dict:
             "accept_rate_per_pos": per_pos, "verify_steps": verify}
 
 
+def same_tokens(trajectories, others) -> bool:
+    """Whether two generate() results emitted the same tokens, request by request: the
+    losslessness check of every speculative arm against plain decoding."""
+    return [t.token_ids for t in trajectories] == [t.token_ids for t in others]
+
+
 @dataclass
 class Trajectory:
     prompt_ids: list[int]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.protocol import summarize_spec_stats
+from rollout.protocol import same_tokens, summarize_spec_stats
 from specrl.presets import get_preset
 from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_params
 from target_training.sft import default_cache_dir
@@ -24,6 +24,14 @@ def machine_info() -> dict:
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def turn_order(names, k: int) -> list:
+    """The arms' order in round k of a timing that takes turns: rotated by k, so no arm always
+    runs first or right after the same other one."""
+    names = list(names)
+    k %= len(names)
+    return names[k:] + names[:k]
 
 
 def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
@@ -49,8 +57,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
     names = list(engines)
     per_repeat: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(repeats):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in turn_order(names, rep):
             engine = engines[name]
             getattr(engine, "ready", lambda: None)()
             if name in profilers:
@@ -186,7 +193,7 @@ def efficiency_factors(row: dict, plain_profile: dict) -> dict | None:
 
 def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, profile: dict) -> dict:
     """One speculative row: speed against plain, acceptance, the bound from measured costs."""
-    same = [t.token_ids for t in timed["trajectories"]] == [t.token_ids for t in plain_timed["trajectories"]]
+    same = same_tokens(timed["trajectories"], plain_timed["trajectories"])
     agg = summarize_spec_stats(t.spec for t in timed["trajectories"])
     speedup = timed["tokens_per_s"] / plain_timed["tokens_per_s"]
     bounds = {}
@@ -250,8 +257,7 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
         rows.append({"batch": batch, "mode": "adaptive", "gamma": None, "gammas": list(adaptive_gammas),
                      "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / plain["tokens_per_s"],
                      "accept_length": agg["accept_length"], "alpha": agg["accept_rate"],
-                     "identical_to_plain": [t.token_ids for t in r["trajectories"]]
-                     == [t.token_ids for t in plain["trajectories"]],
+                     "identical_to_plain": same_tokens(r["trajectories"], plain["trajectories"]),
                      "controller_gamma": bucket.get("gamma")})
     return rows
 

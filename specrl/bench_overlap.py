@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
-from specrl.bench import machine_info
+from specrl.bench import machine_info, turn_order
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
 from specrl.presets import DRIFT_COTRAIN_FIXED, RunPreset, get_preset
@@ -118,8 +118,7 @@ def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, 
     arms = {m: _arm(m, policy, draft, preset, seed) for m in MODES}
     total = warmup + steps
     for k, start in enumerate(range(0, total, block)):
-        order = MODES[k % len(MODES):] + MODES[:k % len(MODES)]  # rotated from block to block
-        for mode in order:
+        for mode in turn_order(MODES, k):  # rotated from block to block
             rows = arms[mode]["steps"]
             for step in range(start, min(start + block, total)):
                 rows.append(_rl_step(arms[mode], task, tokenizer, pool, preset, seed, step))
@@ -211,9 +210,7 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
                 walls = {a: [] for a in arms}
                 burst = {"sequential": [], "overlap": []}  # the updates' own seconds, per arm that trains
                 for r in range(repeats):
-                    k = r % len(arms)
-                    order = list(arms)[k:] + list(arms)[:k]  # rotated, so no arm always runs first
-                    for name in order:
+                    for name in turn_order(arms, r):
                         wall, b_s = arms[name](engine, prompts)
                         walls[name].append(wall)
                         if b_s is not None:

@@ -20,6 +20,7 @@ cost of a verify step and of a draft step relative to a plain step.
 """
 from __future__ import annotations
 
+from rollout.protocol import same_tokens
 from specrl.bench import (MEASUREMENT, format_row, format_table, model_summary, save_summary, spec_row, speed_setup,
                           timed_generate_interleaved)
 
@@ -84,7 +85,6 @@ def measure_vllm_batch(arms: dict, prompts, params, batch: int, gamma: int, repe
             with StepTimer(arms[name]) as timers[name]:
                 g.generate(prompts, params)
     plain = timed["vllm-plain"]
-    plain_tokens = [t.token_ids for t in plain["trajectories"]]
     rows = [{"batch": batch, "mode": "plain", "arm": "vllm-plain", "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0}]
     for name in [n for n in arms if n not in ("vllm-plain", "embedded-plain")]:
         costs = vllm_step_costs(timers["vllm-plain"], timers[name], batch, gamma)
@@ -92,7 +92,7 @@ def measure_vllm_batch(arms: dict, prompts, params, batch: int, gamma: int, repe
     emb = timed["embedded-plain"]
     rows.append({"batch": batch, "mode": "plain", "arm": "embedded-plain", "tokens_per_s": emb["tokens_per_s"],
                  "speedup": emb["tokens_per_s"] / plain["tokens_per_s"],
-                 "identical_to_vllm_plain": [t.token_ids for t in emb["trajectories"]] == plain_tokens})
+                 "identical_to_vllm_plain": same_tokens(emb["trajectories"], plain["trajectories"])})
     return rows
 
 
