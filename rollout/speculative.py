@@ -182,7 +182,7 @@ class SpecSession:
         steps = torch.arange(depth + 1, device=slots.device)
         path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
         cache.rollback(slots, L + n_acc + 1, check=False)  # the accepted prefix is already contiguous
-        return _Verified(block_tokens, out, path, n_acc, next_tok, torch.full_like(n_acc, depth))
+        return _Verified(block_tokens, out, path, n_acc, next_tok, torch.full_like(n_acc, depth), prefix_path=True)
 
     def _tree_block(self, engine, cache, slots, L, roots, h_last, q_last, depth: int, ctx, params, capture,
                     prefill) -> "_Verified":
@@ -219,10 +219,14 @@ class SpecSession:
         B, W = path.shape
         dev = path.device
         n_keep = n_acc + 1  # (B,) root + accepted drafts = tokens emitted
-        feats = gather_path(path, v.out.features(taps), fill=0)  # (B, W, 3H)
-        emitted = torch.cat([gather_path(path, v.block_tokens, fill=0)[:, 1:], next_tok[:, None]], 1)  # (B, W)
+
+        def along_path(x):  # (B, N, ...) -> (B, W, ...): the accepted nodes first; later entries are never read
+            return x if v.prefix_path else gather_path(path, x, fill=0)
+
+        feats = along_path(v.out.features(taps))  # (B, W, 3H)
+        emitted = torch.cat([along_path(v.block_tokens)[:, 1:], next_tok[:, None]], 1)  # (B, W)
         emitted.scatter_(1, n_acc[:, None], next_tok[:, None])
-        path_logits = gather_path(path, v.out.logits, fill=0)  # (B, W, V): the node before each token
+        path_logits = along_path(v.out.logits)  # (B, W, V): the node before each token
         emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
         budget = torch.tensor([s.max_new - len(s.tokens) for s in states], device=dev)  # (B,) all >= 1
         n_emit = emit_counts(emitted, n_keep, budget, params.stop_token_ids)  # (B,)
@@ -263,32 +267,37 @@ class SpecSession:
         as fit (`fit_groups`): one forward in the common case, two when continuous batching
         mixes a long new prompt with a slot near the context end. Each row's own entries and
         outputs are the same either way (padding sits after a row's last real position)."""
-        feats = [torch.cat(self.pending[s], 0) for s in slots.tolist()]
-        n = torch.tensor([f.shape[0] for f in feats], device=slots.device)  # (B,)
-        D = self.cache.lengths[slots]  # (B,)
-        B, H = len(feats), feats[0].shape[-1]
+        feats = [p[0] if len(p) == 1 else torch.cat(p, 0) for p in (self.pending[s] for s in slots.tolist())]
+        counts = [f.shape[0] for f in feats]
+        D = self.cache.lengths[slots].tolist()
         dtype = self.draft.fc.weight.dtype
+        groups = fit_groups(D, counts, self.cache.max_len)
         h_last = q_last = None
-        for rows in fit_groups(D.tolist(), n.tolist(), self.cache.max_len):
-            M = max(int(n[r]) for r in rows)
-            hidden = torch.zeros(len(rows), M, H, dtype=dtype, device=slots.device)
-            ids = torch.zeros(len(rows), M, dtype=torch.long, device=slots.device)
-            for i, r in enumerate(rows):
-                f, st, d = feats[r], states[r], int(D[r])
-                full = st.prompt + st.tokens
-                hidden[i, : f.shape[0]] = f.to(dtype)
-                ids[i, : f.shape[0]] = torch.tensor(full[d + 1 : d + 1 + f.shape[0]])
-            idx = torch.tensor(rows, device=slots.device)
+        for rows in groups:
+            # every row padded to the group's longest run: (G, M, 3H) features, (G, M) tokens
+            hidden = torch.nn.utils.rnn.pad_sequence([feats[r] for r in rows], batch_first=True).to(dtype)
+            M = hidden.shape[1]
+            tokens = []
+            for r in rows:
+                full, d, n = states[r].prompt + states[r].tokens, D[r], counts[r]
+                tokens.append(full[d + 1: d + 1 + n] + [0] * (M - n))
+            ids = torch.tensor(tokens, device=slots.device)
+            idx = slots if len(groups) == 1 else slots[torch.tensor(rows, device=slots.device)]
             tick(self._prof, "draft_features")
-            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=slots[idx])
-            self.cache.rollback(slots[idx], D[idx] + n[idx])
-            last = n[idx] - 1
+            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx)
+            # the padding's entries are dropped: each row keeps exactly its pending run
+            self.cache.rollback(idx, torch.tensor([D[r] + counts[r] for r in rows], device=slots.device), check=False)
             ar = torch.arange(len(rows), device=slots.device)
+            last = torch.tensor([counts[r] - 1 for r in rows], device=slots.device)
             h_g, q_g = prenorm[ar, last], self.draft.to_target_logits(logits[ar, last])  # (G, H), (G, V)
-            if h_last is None:
-                h_last = h_g.new_empty(B, *h_g.shape[1:])
-                q_last = q_g.new_empty(B, *q_g.shape[1:])
-            h_last[idx], q_last[idx] = h_g, q_g
+            if len(groups) == 1:
+                h_last, q_last = h_g, q_g
+            else:
+                if h_last is None:
+                    h_last = h_g.new_empty(len(feats), *h_g.shape[1:])
+                    q_last = q_g.new_empty(len(feats), *q_g.shape[1:])
+                sel = torch.tensor(rows, device=slots.device)
+                h_last[sel], q_last[sel] = h_g, q_g
             tick(self._prof, "draft")
         return h_last, q_last
 
@@ -406,6 +415,7 @@ class _Verified:
     n_acc: torch.Tensor  # (B,) accepted drafts
     next_tok: torch.Tensor  # (B,) the target's own token after them
     drafted_depths: torch.Tensor  # (B,) deepest drafted node along which acceptance was tested
+    prefix_path: bool = False  # the path is the block's first n_acc + 1 nodes (chains): no gather needed
 
 
 def emit_counts(emitted: torch.Tensor, n_keep: torch.Tensor, budget: torch.Tensor, stop_ids) -> torch.Tensor:

@@ -84,20 +84,22 @@ class KVCache:
         end = int(start.max()) + T
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: need {end} positions, cache holds {self.max_len}")
-        if attn_mask is None:
-            attn_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
+        offs = torch.arange(T, device=device)
+        write_pos = start[:, None] + offs  # (B, T)
+        keys = torch.arange(end, device=device)  # (S,)
+        if attn_mask is None:  # causal: a token sees every key up to its own position
+            mask = keys[None, None, :] <= write_pos[:, :, None]  # (B, T, S)
+            return CacheBlock(self, slots, start, write_pos, end, mask[:, None])
         W = attn_mask.shape[-1]
         if W < T or (W > T and bool((start < W - T).any())):  # W == T fits always (no sync)
             raise ValueError(f"attn_mask window of {W} keys does not fit a block of {T} after the cached entries")
-        offs = torch.arange(T, device=device)
-        keys = torch.arange(end, device=device)  # (S,)
         win0 = start + T - W  # (B,) first key under the mask
         prefix = keys[None, None, :] < win0[:, None, None]  # (B, 1, S)
         rel = keys[None, :] - win0[:, None]  # (B, S) position inside the window
         in_win = (rel >= 0) & (rel < W)
         gathered = torch.gather(attn_mask, 2, rel.clamp(0, W - 1)[:, None, :].expand(B, T, end))  # (B, T, S)
         mask = (prefix | (in_win[:, None, :] & gathered))[:, None]  # (B, 1, T, S)
-        return CacheBlock(self, slots, start, start[:, None] + offs, end, mask)
+        return CacheBlock(self, slots, start, write_pos, end, mask)
 
     def all_slots(self) -> torch.Tensor:
         return torch.arange(self.batch_size, device=self.lengths.device)
