@@ -161,7 +161,7 @@ class SpecSession:
         if prof is not None:
             prof.set_gamma(depth)
         h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, V)
-        bad = (torch.isnan(q_last) | torch.isposinf(q_last)).any()  # -inf marks non-draft tokens
+        bad = ~(q_last.amax() < float("inf"))  # a NaN (amax propagates it) or +inf; -inf marks non-draft tokens
         ctx = _Sampling(params, engine, states, depth)
         roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
         tick(prof, "draft_features")
@@ -212,12 +212,12 @@ class SpecSession:
 
         Each slot emits its accepted drafts, then the target's own token; each token's log-prob
         comes from the verify logits at the node before it (the policy's exact distribution
-        there). Stop tokens and length budgets are applied here with tensor ops, so the hand-back
-        is one transfer of (tokens, counts) plus the log-probs."""
+        there). The hand-back is one transfer of (tokens, counts) plus the log-probs; stop tokens
+        and length budgets are then applied on the host by the engine's own token-by-token rule
+        (`append_token`), on at most gamma + 1 tokens per row."""
         taps = engine.model.cfg.feature_layer_ids
         path, n_acc, next_tok = v.path, v.n_acc, v.next_tok
         B, W = path.shape
-        dev = path.device
         n_keep = n_acc + 1  # (B,) root + accepted drafts = tokens emitted
 
         def along_path(x):  # (B, N, ...) -> (B, W, ...): the accepted nodes first; later entries are never read
@@ -228,18 +228,15 @@ class SpecSession:
         emitted.scatter_(1, n_acc[:, None], next_tok[:, None])
         path_logits = along_path(v.out.logits)  # (B, W, V): the node before each token
         emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
-        budget = torch.tensor([s.max_new - len(s.tokens) for s in states], device=dev)  # (B,) all >= 1
-        n_emit = emit_counts(emitted, n_keep, budget, params.stop_token_ids)  # (B,)
         tick(self._prof, "cache_features")
-        packed = torch.cat([emitted, n_keep[:, None], n_emit[:, None], v.drafted_depths[:, None],
+        packed = torch.cat([emitted, n_keep[:, None], v.drafted_depths[:, None],
                             bad.long().expand(B, 1)], 1).tolist()  # the hand-back
         lps = emitted_lp.tolist()
         if packed[0][-1]:
             raise FloatingPointError("draft produced NaN or infinite logits")
-        stops = params.stop_token_ids
         emitted_total = drafted_total = 0
         for r, (slot, st, row, lp_row) in enumerate(zip(active, states, packed, lps)):
-            k, n, drafted_depth = row[W], row[W + 1], row[W + 2]
+            k, drafted_depth = row[W], row[W + 1]
             self.pending[slot] = [feats[r, :k]]
             if capture:
                 st.features.append(feats[r, :k].to(torch.float16).cpu())
@@ -247,12 +244,9 @@ class SpecSession:
                 st.spec.record(drafted_depth, k - 1)
             emitted_total += k
             drafted_total += drafted_depth
-            st.tokens.extend(row[:n])
-            st.logprobs.extend(lp_row[:n])
-            if row[n - 1] in stops:
-                st.finish_reason = "stop"
-            elif len(st.tokens) >= st.max_new:
-                st.finish_reason = "length"
+            for token, logprob in zip(row[:k], lp_row[:k]):
+                if not engine.append_token(st, token, logprob, params):
+                    break  # a stop token or the length budget: the rest is dropped
         tick(self._prof, "emit")
         return {"gamma": depth, "tokens_per_seq": emitted_total / B, "accepted": emitted_total - B,
                 "drafted": drafted_total}
@@ -307,17 +301,21 @@ class SpecSession:
         return prenorm, self.draft.to_target_logits(logits)
 
     def _draft_chain(self, slots, h, q_logits, depth: int, ctx: "_Sampling"):
-        """-> drafted tokens (B, g) and the distributions they were drawn from (B, g, V)."""
+        """-> drafted tokens (B, g) and the distributions they were drawn from (B, g, V); greedy
+        verification never reads those, so greedy drafting takes the argmax and returns None."""
         toks, qs = [], []
         for d in range(depth):
-            q = ctx.process(q_logits)  # (B, V)
-            t = ctx.propose(q, d)  # (B,)
-            toks.append(t)
-            qs.append(q)
+            if ctx.mode == "greedy":
+                toks.append(q_logits.argmax(-1))  # (B,)
+            else:
+                q = ctx.process(q_logits)  # (B, V)
+                toks.append(ctx.propose(q, d))
+                qs.append(q)
+            t = toks[-1]
             if d + 1 < depth:
                 h, q_logits = self._draft_step(slots, h[:, None], t[:, None])
                 h, q_logits = h[:, 0], q_logits[:, 0]
-        return torch.stack(toks, 1), torch.stack(qs, 1)
+        return torch.stack(toks, 1), (torch.stack(qs, 1) if qs else None)
 
     def _draft_tree(self, slots, h_root, q_root_logits, depth: int, ctx: "_Sampling"):
         """EAGLE-2 dynamic tree: expand the k best nodes of each depth, keep the best `budget`.
@@ -416,20 +414,6 @@ class _Verified:
     next_tok: torch.Tensor  # (B,) the target's own token after them
     drafted_depths: torch.Tensor  # (B,) deepest drafted node along which acceptance was tested
     prefix_path: bool = False  # the path is the block's first n_acc + 1 nodes (chains): no gather needed
-
-
-def emit_counts(emitted: torch.Tensor, n_keep: torch.Tensor, budget: torch.Tensor, stop_ids) -> torch.Tensor:
-    """How many of each row's emitted tokens (B, W) are appended: the first n_keep[b], cut after
-    the first stop token and at the row's remaining length budget[b] (B,). The same tokens a
-    token-by-token append with stop and length checks would keep."""
-    W = emitted.shape[1]
-    n = torch.minimum(n_keep, budget)
-    if stop_ids:
-        cols = torch.arange(W, device=emitted.device)
-        stop = torch.isin(emitted, torch.tensor(stop_ids, device=emitted.device)) & (cols < n[:, None])  # (B, W)
-        first = torch.where(stop, cols, W).min(1).values + 1  # (B,) through the first stop token
-        n = torch.minimum(n, first)
-    return n
 
 
 def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_valid):

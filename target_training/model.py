@@ -203,8 +203,10 @@ class MoE(nn.Module):
             out = self._experts_masked(flat, topi, topw, counts)
         if self.cfg.shared_expert_intermediate_size > 0:
             out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        frac_tokens = counts.float() / max(1, topi.numel())  # f_e
-        aux = E * (frac_tokens * probs.mean(0)).sum()
+        aux = None  # the load-balancing loss only matters where gradients flow (training)
+        if torch.is_grad_enabled():
+            frac_tokens = counts.float() / max(1, topi.numel())  # f_e
+            aux = E * (frac_tokens * probs.mean(0)).sum()
         return out.view(B, T, H), (aux, counts)
 
 
@@ -327,7 +329,7 @@ class ModelOutput:
     logits: torch.Tensor  # (B, T, V)
     hidden: torch.Tensor  # (B, T, H) final hidden state, after the final norm
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (B, T, H)
-    aux_loss: torch.Tensor | None = None  # load-balancing loss, summed over MoE layers
+    aux_loss: torch.Tensor | None = None  # load-balancing loss, summed over MoE layers (None without autograd)
     expert_counts: torch.Tensor | None = None  # (n_moe_layers, E) token assignments per expert
 
     def features(self, layer_ids) -> torch.Tensor:
@@ -371,12 +373,13 @@ class MoETransformer(nn.Module):
         x = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}
         tap_set = set(tap_layers)
-        aux_total = x.new_zeros((), dtype=torch.float32)
+        aux_total = x.new_zeros((), dtype=torch.float32) if torch.is_grad_enabled() else None
         counts = []
         for i, layer in enumerate(self.layers):
             x, router = layer(x, cos, sin, block, mask)
             if router is not None:
-                aux_total = aux_total + router[0]
+                if aux_total is not None:
+                    aux_total = aux_total + router[0]
                 counts.append(router[1])
             if i in tap_set:
                 taps[i] = x

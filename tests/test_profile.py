@@ -1,40 +1,16 @@
-"""Step profiling (rollout.profile), the batched emission of the speculative step, and the
+"""Step profiling (rollout.profile) and the
 bound's parts measured on the engine's own steps (specrl.bench)."""
 import math
-import random
 
 import pytest
 import torch
 
-from rollout.engine import EmbeddedEngine, EngineConfig, SlotState
+from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.profile import PLAIN_PHASES, SPEC_PHASES, StepProfiler, low_quartile, phase_breakdown
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator, emit_counts
+from rollout.speculative import SpecConfig, Speculator
 from specrl.bench import engine_step_costs, profiled_run, step_profile
 from specrl.train_rl import encode_prompts
-
-
-def test_emit_counts_match_token_by_token_append():
-    """The tensor rule keeps exactly the tokens EmbeddedEngine.append_token would, one by one."""
-    rng = random.Random(0)
-    for _ in range(300):
-        B, W = rng.randint(1, 5), rng.randint(1, 6)
-        stops = tuple(rng.sample(range(6), rng.randint(0, 2)))
-        emitted = torch.randint(0, 6, (B, W))
-        n_keep = torch.randint(1, W + 1, (B,))
-        states = [SlotState(0, 0, [1], max_new=rng.randint(1, 8)) for _ in range(B)]
-        for s in states:
-            s.tokens = [7] * rng.randint(0, s.max_new - 1)  # at least one token of budget left
-        budget = torch.tensor([s.max_new - len(s.tokens) for s in states])
-        got = emit_counts(emitted, n_keep, budget, stops).tolist()
-        params = SamplingParams(stop_token_ids=stops)
-        for b, s in enumerate(states):
-            want = 0
-            for t in emitted[b, : int(n_keep[b])].tolist():
-                want += 1
-                if not EmbeddedEngine.append_token(s, t, 0.0, params):
-                    break
-            assert got[b] == want
 
 
 def test_low_quartile_and_breakdown():
