@@ -347,7 +347,7 @@ def save_summary(out_dir, summary: dict) -> dict:
 
 def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
                 chain_gamma: int = 4, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
-                prompts_per_batch: int = 3, temperature: float = 0.0, repeats: int = 3, log=print) -> dict:
+                prompts_per_batch: int = 3, temperature: float = 0.0, repeats: int = 5, log=print) -> dict:
     """Plain, chain, tree and adaptive (chain under the controller) decoding at each batch size,
     timed in turns on the same prompts, with the bound's parts measured on the engine's own
     steps (MEASUREMENT) and where each step's time goes (`profile` of every row)."""
@@ -379,7 +379,7 @@ def measure_and_save(out_dir, benchmark: str, task_name: str, preset_name: str, 
             log(format_row(row))
     summary = save_summary(out_dir, {"benchmark": benchmark, "task": task_name, "preset": preset_name,
                                      "temperature": temperature, "model": model_summary(policy, draft),
-                                     "measurement": MEASUREMENT, "rows": rows})
+                                     "measurement": MEASUREMENT, "repeats": repeats, "rows": rows})
     log(format_table(summary["rows"]))
     return summary
 

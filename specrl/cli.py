@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--gamma", type=int, default=4, help="chain length of the chain rows (the controller may use 1..gamma)")
+    s.add_argument("--repeats", type=int, default=5, help="(embedded) timed calls per arm and batch, after a warm-up; "
+                                                         "the best is reported, the bound's parts pool all of them")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
                         "vs the embedded engine (greedy)")
@@ -172,9 +174,11 @@ def run(args: argparse.Namespace) -> dict:
                                     cache_dir=args.cache_dir, gamma=args.gamma, online_draft_dir=args.online_draft)
         if args.online_draft is not None:
             raise ValueError("--online-draft needs --engine vllm")
+        if not 0 < args.repeats <= 100:
+            raise ValueError(f"--repeats must be in [1, 100], got {args.repeats}")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                           chain_gamma=args.gamma)
+                           chain_gamma=args.gamma, repeats=args.repeats)
     if args.command == "bench" and args.bench == "profile":
         from specrl.bench import bench_profile
 

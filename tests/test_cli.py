@@ -273,9 +273,10 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
     assert read_metrics(path)[0]["train/draft_loss"] is None
 
 
-def test_bench_speed_bad_gamma(tmp_path, capsys):
-    assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), "--gamma", "0", "--batches", "1"]) == 2
-    assert "--gamma" in _err_line(capsys)
+@pytest.mark.parametrize("flag", ["--gamma", "--repeats"])
+def test_bench_speed_bad_gamma_or_repeats(tmp_path, capsys, flag):
+    assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), flag, "0", "--batches", "1"]) == 2
+    assert flag in _err_line(capsys)
     assert not (tmp_path / "summary.json").exists()
 
 
