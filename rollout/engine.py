@@ -4,7 +4,9 @@ Requests are admitted into a fixed number of slots of a static KV cache; a finis
 is refilled from the queue at once (continuous batching), because RL rollouts have a long
 tail of few long answers. Each step decodes every active slot; the prompts of requests just
 admitted ride along in the same forward (chunked-prefill style), so an admission does not
-cost a forward of its own. With a speculative decoder
+cost a forward of its own. By default one request more than the decode batch is admitted and
+prefilled ahead (`EngineConfig.prefill_ahead`), so a freed slot is taken at once by a request
+that already has its first token. With a speculative decoder
 attached (rollout.speculative), a step drafts and verifies several tokens instead; the
 slot bookkeeping, stopping rules, log-probs and feature capture stay the same.
 
@@ -39,10 +41,18 @@ class EngineConfig:
     max_batch: int = 16  # slots in the KV cache
     max_len: int | None = None  # cache length per slot; defaults to the model's max_seq_len
     sampling_mode: str = "coupled"  # "coupled" (counter-based Gumbel) or "rng" (torch generator)
+    # requests admitted and prefilled ahead of a free decode slot (extra KV-cache slots): when a
+    # sequence finishes, a waiting request takes its place in the very next step, instead of that
+    # step carrying its prompt's prefill and decoding one sequence fewer. With speculation that
+    # decode step is worth tau tokens, and short answers admit often (see README, Measured figures).
+    prefill_ahead: int = 1
 
     def __post_init__(self) -> None:
         if not 0 < self.max_batch <= MAX_BATCH:
             raise ValueError(f"EngineConfig.max_batch must be in [1, {MAX_BATCH}], got {self.max_batch}")
+        if isinstance(self.prefill_ahead, bool) or not isinstance(self.prefill_ahead, int) \
+                or not 0 <= self.prefill_ahead <= self.max_batch:
+            raise ValueError(f"EngineConfig.prefill_ahead must be an integer in [0, max_batch], got {self.prefill_ahead!r}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"EngineConfig.max_len must be positive, got {self.max_len}")
         if self.sampling_mode not in ("coupled", "rng"):
@@ -89,7 +99,8 @@ class EmbeddedEngine:
             speculator.check_target(model)
         self.generator = torch.Generator(device="cpu")
         self.last_stats: dict = {}
-        # called as hook(n_active, n_slots) after every engine step: the rollout's long tail is
+        # called as hook(n_active, n_slots) after every engine step (n_slots: the most sequences a
+        # step decodes, prefill_ahead slots excluded): the rollout's long tail is
         # an idle window for co-located work (specrl's draft trainer uses it)
         self.step_hooks: list = []
         # optional: per-phase wall time of every engine step (rollout.profile; benchmarks only)
@@ -135,7 +146,8 @@ class EmbeddedEngine:
             raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
         states = [self._new_state(i, rid, p, params) for i, (rid, p) in enumerate(zip(request_ids, prompts))]
         self.generator.manual_seed(params.seed)
-        n_slots = min(self.config.max_batch, len(states))
+        n_decode = min(self.config.max_batch, len(states))  # sequences decoded per step, at most
+        n_slots = min(self.config.max_batch + self.config.prefill_ahead, len(states))  # KV-cache slots
         spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None else None
         slack = self.speculator.block_slack() if spec is not None else 0
         cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
@@ -149,13 +161,13 @@ class EmbeddedEngine:
             for i, st in admit:
                 slots[i] = st
             new = {i for i, _ in admit}
-            active = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None and i not in new]
+            active = self._decoding(slots, n_decode, new)
             prefill = self._plan_prefill(admit) if admit else None
             if prefill is not None and not self._can_fuse(cache, active, prefill, slack):
                 # nothing to fuse with, or no room: prefill on its own; the new requests join this step
                 self._run_prefill(cache, prefill, params, capture_features, spec)
                 prefill = None
-                active = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None]
+                active = self._decoding(slots, n_decode)
             if active:
                 act_states = [slots[i] for i in active]
                 t_step = time.perf_counter()
@@ -186,7 +198,7 @@ class EmbeddedEngine:
                         prof.end()
                 steps += 1
                 for hook in self.step_hooks:
-                    hook(len(active), n_slots)
+                    hook(len(active), n_decode)
             for i, s in enumerate(slots):
                 if s is not None and s.finish_reason is not None:
                     slots[i] = None
@@ -197,6 +209,13 @@ class EmbeddedEngine:
         return [self._to_trajectory(s, capture_features) for s in states]
 
     # -- internals ------------------------------------------------------------------------
+    @staticmethod
+    def _decoding(slots: list, n_decode: int, exclude=()) -> list[int]:
+        """The slots this step decodes: unfinished, prefilled requests (not `exclude`, whose
+        prompts ride along this step), the n_decode earliest admitted, in slot order."""
+        ready = [i for i, s in enumerate(slots) if s is not None and s.finish_reason is None and i not in exclude]
+        return sorted(sorted(ready, key=lambda i: slots[i].index)[:n_decode])
+
     def _new_state(self, index: int, request_id: int, prompt: Sequence[int], params: SamplingParams) -> SlotState:
         prompt = [int(t) for t in prompt]
         if not prompt:

@@ -173,6 +173,40 @@ def test_prefill_fused_into_the_step_changes_nothing(sft_policy, offline_draft, 
         assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("mode", [None, "chain"])
+def test_prefill_ahead_changes_only_the_step_count(sft_policy, offline_draft, mode):
+    """A request prefilled ahead of a free decode slot (EngineConfig.prefill_ahead) decodes the
+    same tokens with the same log-probs; no step decodes more than max_batch sequences, the step
+    hooks see max_batch as the slot count, and speculation saves steps (the joining request
+    speculates from its first step instead of spending it on its prefill)."""
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 24)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    out, steps = {}, {}
+    for ahead in (0, 1, 2):
+        spec = Speculator(offline_draft, SPEC_CONFIGS[mode]) if mode else None
+        engine = EmbeddedEngine(policy, EngineConfig(max_batch=4, prefill_ahead=ahead), speculator=spec)
+        seen = []
+        engine.step_hooks.append(lambda n_active, n_slots: seen.append((n_active, n_slots)))
+        out[ahead] = engine.generate(prompts, params, capture_features=True)
+        steps[ahead] = engine.last_stats["engine_steps"]
+        assert seen and all(0 < n <= 4 and slots == 4 for n, slots in seen)
+    for ahead in (1, 2):
+        assert [t.token_ids for t in out[ahead]] == [t.token_ids for t in out[0]]
+        for a, b in zip(out[ahead], out[0]):
+            assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
+            assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
+        assert steps[ahead] <= steps[0]
+    if mode:
+        assert steps[1] < steps[0]
+
+
+@pytest.mark.parametrize("value", [-1, 5, True, 1.0])
+def test_bad_prefill_ahead(value):
+    with pytest.raises(ValueError, match="prefill_ahead"):
+        EngineConfig(max_batch=4, prefill_ahead=value)
+
+
 # ---- the context end: pending features of slots at very different depths (issue 14) -------------
 def _context_end_setup(tiny_model, lengths, seed=1):
     from specrl.drafts import DraftTrainConfig, new_draft
