@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -126,7 +127,9 @@ MEASUREMENT = {
                     "(target_step_s_median, verify_s_median, draft_step_s_median): how much the choice of "
                     "statistic moves the bound (a forward's spread is partly real work, which experts a block "
                     "wakes and how long its context is, and partly preemption)",
-    "efficiency_median": "speedup / bound_median",
+    "speedup_median": "median over the timed repeats of the per-repeat ratio of this row's tokens/s to plain's "
+                      "(the two calls of a repeat run seconds apart, so a slow spell of the machine hits both)",
+    "efficiency_median": "speedup_median / bound_median: the efficiency with medians on both sides",
     "profile": "mean seconds per step of each phase (rollout.profile) over the profiled full-batch steps "
                "(the same steps as target_step_s)",
     "efficiency_factors": "efficiency as a product of three factors (specrl.bench.efficiency_factors): timed "
@@ -195,17 +198,21 @@ def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, 
     """One speculative row: speed against plain, acceptance, the bound from measured costs."""
     same = same_tokens(timed["trajectories"], plain_timed["trajectories"])
     agg = summarize_spec_stats(t.spec for t in timed["trajectories"])
-    speedup = timed["tokens_per_s"] / plain_timed["tokens_per_s"]
+    speedups = {"": timed["tokens_per_s"] / plain_timed["tokens_per_s"],
+                "_median": statistics.median(s / p for s, p in zip(timed["tokens_per_s_repeats"],
+                                                                   plain_timed["tokens_per_s_repeats"]))}
     bounds = {}
-    for suffix in ("", "_median"):
+    for suffix, speedup in speedups.items():
         bound = eff = None
         if costs["c"] is not None:
             bound = agg["accept_length"] / (costs[f"verify_cost{suffix}"] + spec_cfg.gamma * costs[f"c{suffix}"])
             eff = speedup / bound
         bounds.update({f"bound{suffix}": bound, f"efficiency{suffix}": eff})
+    speedup = speedups[""]
     return {"batch": batch, "mode": spec_cfg.mode, "gamma": spec_cfg.gamma,
             "tree_budget": spec_cfg.tree_budget if spec_cfg.mode == "tree" else None,
-            "tokens_per_s": timed["tokens_per_s"], "speedup": speedup, "accept_length": agg["accept_length"],
+            "tokens_per_s": timed["tokens_per_s"], "speedup": speedup, "speedup_median": speedups["_median"],
+            "accept_length": agg["accept_length"],
             "alpha": agg["accept_rate"], **bounds, "identical_to_plain": same, **costs, "profile": profile}
 
 
@@ -284,7 +291,8 @@ def format_row(row: dict) -> str:
     return (f"{arm}batch {row['batch']:>3} {tag:>14}: {row['tokens_per_s']:8.1f} tok/s  x{row['speedup']:.2f}  "
             f"tau {_fmt(row.get('accept_length'))}  alpha {_fmt(row.get('alpha'))}  c {_fmt(row.get('c'), '.3f')}  "
             f"verify {_fmt(row.get('verify_cost'))}  bound {_fmt(row.get('bound'))}  eff {_fmt(row.get('efficiency'))}  "
-            f"(median: bound {_fmt(row.get('bound_median'))} eff {_fmt(row.get('efficiency_median'))})  "
+            f"(medians: x{_fmt(row.get('speedup_median'))} bound {_fmt(row.get('bound_median'))} "
+            f"eff {_fmt(row.get('efficiency_median'))})  "
             f"identical {_fmt(row.get('identical_to_plain'))}"
             + ("  eff = " + " x ".join(f"{k} {v:.3f}" for k, v in row["efficiency_factors"].items())
                if row.get("efficiency_factors") else ""))

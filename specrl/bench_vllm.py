@@ -26,7 +26,7 @@ from specrl.bench import (MEASUREMENT, format_row, format_table, model_summary, 
 
 VLLM_MEASUREMENT = {
     **{k: MEASUREMENT[k] for k in ("accept_length", "alpha", "c", "verify_cost", "bound", "efficiency",
-                                   "bound_median", "efficiency_median")},
+                                   "bound_median", "speedup_median", "efficiency_median")},
     "tokens_per_s": "generated tokens / wall seconds of one generate() call over the row's prompts fed in groups of "
                     "`batch` (Grouped), best of the timed repeats after one warm-up call; the arms take turns "
                     "within each repeat; vLLM started once per arm before any timing",
