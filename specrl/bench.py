@@ -300,13 +300,14 @@ def format_row(row: dict) -> str:
 
 TABLE_COLUMNS = (("batch", "d"), ("mode", "s"), ("tokens_per_s", ".1f"), ("speedup", ".2f"), ("accept_length", ".2f"),
                  ("alpha", ".2f"), ("c", ".3f"), ("verify_cost", ".2f"), ("bound", ".2f"), ("efficiency", ".2f"),
-                 ("bound_median", ".2f"), ("efficiency_median", ".2f"), ("identical_to_plain", "s"))
+                 ("speedup_median", ".2f"), ("bound_median", ".2f"), ("efficiency_median", ".2f"),
+                 ("identical_to_plain", "s"))
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (the README's form)."""
-    head = ["batch", "mode", "tokens/s", "speedup", "tau", "alpha", "c", "verify", "bound", "eff", "bound (median)",
-            "eff (median)", "identical"]
+    head = ["batch", "mode", "tokens/s", "speedup", "tau", "alpha", "c", "verify", "bound", "eff", "speedup (median)",
+            "bound (median)", "eff (median)", "identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = []
