@@ -160,7 +160,7 @@ class SpecSession:
         prof = self._prof = engine.profiler
         if prof is not None:
             prof.set_gamma(depth)
-        h_last, q_last = self._feed_pending(slots, states)  # (B, H), (B, V)
+        h_last, q_last = self._feed_pending(slots, active, states)  # (B, H), (B, V)
         bad = ~(q_last.amax() < float("inf"))  # a NaN (amax propagates it) or +inf; -inf marks non-draft tokens
         ctx = _Sampling(params, engine, states, depth)
         roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
@@ -229,14 +229,14 @@ class SpecSession:
         path_logits = along_path(v.out.logits)  # (B, W, V): the node before each token
         emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
         tick(self._prof, "cache_features")
-        packed = torch.cat([emitted, n_keep[:, None], v.drafted_depths[:, None],
-                            bad.long().expand(B, 1)], 1).tolist()  # the hand-back
-        lps = emitted_lp.tolist()
-        if packed[0][-1]:
+        # the hand-back, one transfer: float64 holds the token ids and counts exactly
+        packed = torch.cat([emitted, n_keep[:, None], v.drafted_depths[:, None], bad.long().expand(B, 1)], 1)
+        rows = torch.cat([packed.double(), emitted_lp.double()], 1).tolist()  # (B, 2W + 3)
+        if rows[0][W + 2]:
             raise FloatingPointError("draft produced NaN or infinite logits")
         emitted_total = drafted_total = 0
-        for r, (slot, st, row, lp_row) in enumerate(zip(active, states, packed, lps)):
-            k, drafted_depth = row[W], row[W + 1]
+        for r, (slot, st, row) in enumerate(zip(active, states, rows)):
+            k, drafted_depth, lp_row = int(row[W]), int(row[W + 1]), row[W + 3:]
             self.pending[slot] = [feats[r, :k]]
             if capture:
                 st.features.append(feats[r, :k].to(torch.float16).cpu())
@@ -244,7 +244,7 @@ class SpecSession:
                 st.spec.record(drafted_depth, k - 1)
             emitted_total += k
             drafted_total += drafted_depth
-            for token, logprob in zip(row[:k], lp_row[:k]):
+            for token, logprob in zip(map(int, row[:k]), lp_row[:k]):
                 if not engine.append_token(st, token, logprob, params):
                     break  # a stop token or the length budget: the rest is dropped
         tick(self._prof, "emit")
@@ -252,7 +252,7 @@ class SpecSession:
                 "drafted": drafted_total}
 
     # -- drafting ------------------------------------------------------------------------
-    def _feed_pending(self, slots: torch.Tensor, states):
+    def _feed_pending(self, slots: torch.Tensor, active: list[int], states):
         """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output.
 
         One draft forward pads every row to the longest pending run and writes that many
@@ -261,9 +261,11 @@ class SpecSession:
         as fit (`fit_groups`): one forward in the common case, two when continuous batching
         mixes a long new prompt with a slot near the context end. Each row's own entries and
         outputs are the same either way (padding sits after a row's last real position)."""
-        feats = [p[0] if len(p) == 1 else torch.cat(p, 0) for p in (self.pending[s] for s in slots.tolist())]
+        feats = [p[0] if len(p) == 1 else torch.cat(p, 0) for p in (self.pending[s] for s in active)]
         counts = [f.shape[0] for f in feats]
-        D = self.cache.lengths[slots].tolist()
+        # the draft cache ends where the pending run starts, and the run ends at the target cache's
+        # length, which the host knows (every token but the last was fed): no read of the device
+        D = [len(st.prompt) + len(st.tokens) - 1 - n for st, n in zip(states, counts)]
         dtype = self.draft.fc.weight.dtype
         groups = fit_groups(D, counts, self.cache.max_len)
         h_last = q_last = None
@@ -373,7 +375,7 @@ class SpecSession:
                 top = score[:, new].masked_fill(~valid[:, new], float("-inf")).topk(k, dim=1).indices  # (B, k)
                 frontier = new[top]
                 frontier_h = h_out.gather(1, (top // k)[..., None].expand(B, k, H))
-        self.cache.rollback(slots, L0)
+        self.cache.rollback(slots, L0, check=False)
         keep, new_parents, keep_valid = select_nodes(score, par, budget + 1, valid)
         if ctx.mode == "rejection":
             # keep pruned siblings of kept nodes in the sibling sequence (unverified) to stay lossless

@@ -207,6 +207,57 @@ def test_bad_prefill_ahead(value):
         EngineConfig(max_batch=4, prefill_ahead=value)
 
 
+class _DeviceReads:
+    """Counts the reads of tensor values into Python (tolist, item, int, bool, float, index):
+    on an accelerator each one waits for the device."""
+
+    READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__"}
+
+    def __init__(self):
+        from torch.overrides import TorchFunctionMode
+
+        counter = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in counter.READS:
+                    counter.n += 1
+                return func(*args, **(kwargs or {}))
+
+        self.n, self.mode = 0, Mode()
+
+
+@pytest.mark.parametrize("gamma", [2, 4])
+def test_a_chain_step_reads_the_device_only_where_documented(tiny_model, gamma, monkeypatch):
+    """The reads left in a speculative chain step without admissions: one per cache block (its
+    key length, KVCache.begin_block: the draft's pending feed, gamma - 1 chain steps, the
+    verify), one per MoE layer of the verify forward (the sorted dispatch's group sizes), and
+    the hand-back of tokens, counts and log-probs in one transfer. A new read fails here."""
+    from rollout.speculative import SpecSession
+    from specrl.drafts import DraftTrainConfig, new_draft
+    from target_training.model import MoE
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+    draft = new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
+    n_moe = sum(isinstance(layer.mlp, MoE) for layer in tiny_model.layers)
+    counts, step = [], SpecSession.step
+
+    def counted(self, engine, cache, active, states, params, capture, prefill=None):
+        reads = _DeviceReads()
+        with reads.mode:
+            out = step(self, engine, cache, active, states, params, capture, prefill)
+        if prefill is None:
+            counts.append(reads.n)
+        return out
+
+    monkeypatch.setattr(SpecSession, "step", counted)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3), speculator=Speculator(draft, SpecConfig("chain", gamma)))
+    engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2))
+    assert not engine.draft_faults and len(counts) >= 5
+    assert set(counts) == {(gamma + 1) + n_moe + 1}
+
+
 # ---- the context end: pending features of slots at very different depths (issue 14) -------------
 def _context_end_setup(tiny_model, lengths, seed=1):
     from specrl.drafts import DraftTrainConfig, new_draft
