@@ -163,7 +163,7 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, *, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, project: bool | None = None):
+                attn_mask: torch.Tensor | None = None, project: bool | None = None, key_len: int | None = None):
         """One draft step over T positions per row -> (prenorm_hidden (B, T, H), logits (B, T, Vd)).
 
         Row i pairs input_ids[:, i] with hidden[:, i]; the caller aligns them: at draft position t
@@ -174,11 +174,13 @@ class Eagle3Draft(nn.Module):
         given. With a cache: exactly like MoETransformer.forward: the T entries go to slot
         slots[b] after its current length, attend to its prefix and, among themselves, causally
         or per attn_mask (tree); the slot lengths advance by T (roll back what you drop).
+        key_len: see KVCache.begin_block.
         """
         B, T = input_ids.shape
         if hidden.shape[:2] != (B, T):
             raise ValueError(f"hidden must have shape ({B}, {T}, ...), got {tuple(hidden.shape)}")
-        block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len)
+        block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len,
+                                                key_len)
         h, q, k, v = self.prepare(input_ids, hidden, positions, project)
         if block is not None:
             k, v = block.write_and_read(0, k, v)

@@ -33,6 +33,12 @@ class PromptTooLongError(ValueError):
     pass
 
 
+def cached_len(states) -> int:
+    """The longest target KV cache among these requests, from the host: every token but the
+    last emitted one has been fed."""
+    return max(len(s.prompt) + len(s.tokens) - 1 for s in states)
+
+
 MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
 
 
@@ -247,7 +253,8 @@ class EmbeddedEngine:
 
     def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
         cache.reset(prefill.slots)
-        out = self.model(prefill.ids, cache=cache, slots=prefill.slots, tap_layers=self.tap_layers(capture, spec))
+        out = self.model(prefill.ids, cache=cache, slots=prefill.slots, tap_layers=self.tap_layers(capture, spec),
+                         key_len=prefill.ids.shape[1])  # the slots were just reset
         self._finish_prefill(cache, prefill, out, params, capture, spec)
 
     def _finish_prefill(self, cache: KVCache, prefill: "Prefill", out, params: SamplingParams, capture: bool, spec,
@@ -268,7 +275,8 @@ class EmbeddedEngine:
         self._emit(prefill.states, last_logits, params)
 
     def forward(self, cache: KVCache, slots: torch.Tensor, ids: torch.Tensor, params: SamplingParams, capture: bool,
-                spec, prefill: "Prefill | None" = None, positions=None, attn_mask=None) -> ModelOutput:
+                spec, prefill: "Prefill | None" = None, positions=None, attn_mask=None,
+                key_len: int | None = None) -> ModelOutput:
         """The target forward of one engine step for rows `slots` (ids (B, T); positions and
         attn_mask as in MoETransformer.forward), taps on when features are wanted.
 
@@ -276,10 +284,12 @@ class EmbeddedEngine:
         (chunked-prefill style): every row is padded to the longest block, the padding is rolled
         back, and the new requests get their first token. One forward instead of two, which on a
         small or overhead-bound model is most of an admission's cost. The returned output and the
-        slots' cache lengths are exactly what the unfused call would leave."""
+        slots' cache lengths are exactly what the unfused call would leave. key_len: the keys
+        the step's rows read (KVCache.begin_block), from the host's lengths (`cached_len`)."""
         taps = self.tap_layers(capture, spec)
         if prefill is None:
-            return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask, tap_layers=taps)
+            return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask, tap_layers=taps,
+                              key_len=key_len)
         B, T = ids.shape
         n_new, T_new = prefill.ids.shape
         W = max(T, T_new)
@@ -295,7 +305,7 @@ class EmbeddedEngine:
             mask[:B, :T, :T] = attn_mask
         cache.reset(prefill.slots)
         out = self.model(all_ids, cache=cache, slots=torch.cat([slots, prefill.slots]), positions=all_pos,
-                         attn_mask=mask, tap_layers=taps)
+                         attn_mask=mask, tap_layers=taps, key_len=None if key_len is None else key_len - T + W)
         cache.rollback(slots, start + T)
         self._finish_prefill(cache, prefill, out, params, capture, spec, rows=slice(B, None))
         return ModelOutput(logits=out.logits[:B, :T], hidden=out.hidden[:B, :T],
@@ -305,7 +315,7 @@ class EmbeddedEngine:
                      capture: bool, spec=None, prefill: "Prefill | None" = None) -> None:
         slot_ids = torch.tensor(active, device=self.device)
         ids = torch.tensor([[s.last_token] for s in states], device=self.device)
-        out = self.forward(cache, slot_ids, ids, params, capture, spec, prefill)
+        out = self.forward(cache, slot_ids, ids, params, capture, spec, prefill, key_len=cached_len(states) + 1)
         tick(self.profiler, "forward")
         if capture:
             feats = out.features(self.model.cfg.feature_layer_ids)

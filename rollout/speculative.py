@@ -21,6 +21,7 @@ import torch
 
 from draft_models.checkpoint import check_draft_against_target, copy_draft_weights
 from rollout import acceptance as acc
+from rollout.engine import cached_len
 from rollout.profile import tick
 from rollout.protocol import SamplingParams
 from rollout.sampling import coupled_noise, policy_logprobs, process_logits
@@ -160,23 +161,24 @@ class SpecSession:
         prof = self._prof = engine.profiler
         if prof is not None:
             prof.set_gamma(depth)
+        L_max = cached_len(states)  # every block's key length from the host (KVCache.begin_block)
         h_last, q_last = self._feed_pending(slots, active, states)  # (B, H), (B, V)
         bad = ~(q_last.amax() < float("inf"))  # a NaN (amax propagates it) or +inf; -inf marks non-draft tokens
         ctx = _Sampling(params, engine, states, depth)
         roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
         tick(prof, "draft_features")
         block = self._chain_block if self.cfg.mode == "chain" else self._tree_block
-        v = block(engine, cache, slots, L, roots, h_last, q_last, depth, ctx, params, capture, prefill)
+        v = block(engine, cache, slots, L, L_max, roots, h_last, q_last, depth, ctx, params, capture, prefill)
         tick(prof, "accept")
         return self._commit(engine, slots, active, states, params, capture, depth, v, bad)
 
-    def _chain_block(self, engine, cache, slots, L, roots, h_last, q_last, depth: int, ctx, params, capture,
-                     prefill) -> "_Verified":
-        tokens, draft_logp = self._draft_chain(slots, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
+    def _chain_block(self, engine, cache, slots, L, L_max: int, roots, h_last, q_last, depth: int, ctx, params,
+                     capture, prefill) -> "_Verified":
+        tokens, draft_logp = self._draft_chain(slots, L_max, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
         self.cache.rollback(slots, L, check=False)
         block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
         tick(self._prof, "draft")
-        out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill)
+        out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill, key_len=L_max + depth + 1)
         tick(self._prof, "verify_forward")
         n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
         steps = torch.arange(depth + 1, device=slots.device)
@@ -184,9 +186,9 @@ class SpecSession:
         cache.rollback(slots, L + n_acc + 1, check=False)  # the accepted prefix is already contiguous
         return _Verified(block_tokens, out, path, n_acc, next_tok, torch.full_like(n_acc, depth), prefix_path=True)
 
-    def _tree_block(self, engine, cache, slots, L, roots, h_last, q_last, depth: int, ctx, params, capture,
-                    prefill) -> "_Verified":
-        tokens, parents, draft_logp, valid, verified = self._draft_tree(slots, h_last, q_last, depth, ctx)
+    def _tree_block(self, engine, cache, slots, L, L_max: int, roots, h_last, q_last, depth: int, ctx, params,
+                    capture, prefill) -> "_Verified":
+        tokens, parents, draft_logp, valid, verified = self._draft_tree(slots, L_max, h_last, q_last, depth, ctx)
         self.cache.rollback(slots, L, check=False)
         block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, N): root, then the drafted nodes
         block_parents = torch.cat([torch.full_like(roots[:, None], -1), parents], 1)
@@ -196,7 +198,7 @@ class SpecSession:
         mask = tree_attention_mask(block_parents, block_verified)
         tick(self._prof, "draft")
         out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
-                             positions=L[:, None] + depths, attn_mask=mask)
+                             positions=L[:, None] + depths, attn_mask=mask, key_len=L_max + block_tokens.shape[1])
         tick(self._prof, "verify_forward")
         path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
                                                 draft_logp, out.logits)
@@ -280,7 +282,7 @@ class SpecSession:
             ids = torch.tensor(tokens, device=slots.device)
             idx = slots if len(groups) == 1 else slots[torch.tensor(rows, device=slots.device)]
             tick(self._prof, "draft_features")
-            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx)
+            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx, key_len=max(D[r] for r in rows) + M)
             # the padding's entries are dropped: each row keeps exactly its pending run
             self.cache.rollback(idx, torch.tensor([D[r] + counts[r] for r in rows], device=slots.device), check=False)
             ar = torch.arange(len(rows), device=slots.device)
@@ -297,12 +299,12 @@ class SpecSession:
             tick(self._prof, "draft")
         return h_last, q_last
 
-    def _draft_step(self, slots, hidden, tokens, positions=None, mask=None):
+    def _draft_step(self, slots, key_len: int, hidden, tokens, positions=None, mask=None):
         prenorm, logits = self.draft(tokens, hidden, cache=self.cache, slots=slots, positions=positions,
-                                     attn_mask=mask)
+                                     attn_mask=mask, key_len=key_len)
         return prenorm, self.draft.to_target_logits(logits)
 
-    def _draft_chain(self, slots, h, q_logits, depth: int, ctx: "_Sampling"):
+    def _draft_chain(self, slots, L_max: int, h, q_logits, depth: int, ctx: "_Sampling"):
         """-> drafted tokens (B, g) and the distributions they were drawn from (B, g, V); greedy
         verification never reads those, so greedy drafting takes the argmax and returns None."""
         toks, qs = [], []
@@ -315,11 +317,11 @@ class SpecSession:
                 qs.append(q)
             t = toks[-1]
             if d + 1 < depth:
-                h, q_logits = self._draft_step(slots, h[:, None], t[:, None])
+                h, q_logits = self._draft_step(slots, L_max + d + 1, h[:, None], t[:, None])  # written at L + d
                 h, q_logits = h[:, 0], q_logits[:, 0]
         return torch.stack(toks, 1), (torch.stack(qs, 1) if qs else None)
 
-    def _draft_tree(self, slots, h_root, q_root_logits, depth: int, ctx: "_Sampling"):
+    def _draft_tree(self, slots, L_max: int, h_root, q_root_logits, depth: int, ctx: "_Sampling"):
         """EAGLE-2 dynamic tree: expand the k best nodes of each depth, keep the best `budget`.
 
         Candidates are indexed 0..M-1 (0 = the root x_L). Expanded nodes are appended to the
@@ -365,7 +367,8 @@ class SpecSession:
                 mask[:, :, :n_cached] = a.gather(2, cids[:, None, :].expand(B, k, n_cached))
             mask[:, :, n_cached:] = torch.eye(k, dtype=torch.bool, device=dev)
             positions = (L0 + d - 1)[:, None].expand(B, k)
-            h_out, q_logits = self._draft_step(slots, frontier_h, tok.gather(1, frontier), positions, mask)
+            # depth d's k entries go after the (d - 1) * k of the depths before
+            h_out, q_logits = self._draft_step(slots, L_max + d * k, frontier_h, tok.gather(1, frontier), positions, mask)
             cached.append(frontier)
             q = ctx.process(q_logits)  # (B, k, V)
             cand_q[rows, frontier] = q

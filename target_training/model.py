@@ -70,18 +70,24 @@ class KVCache:
                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "KVCache":
         return cls(cfg.num_layers, batch_size, max_len or cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim, device, dtype)
 
-    def begin_block(self, slots: torch.Tensor | None, T: int, attn_mask: torch.Tensor | None = None) -> "CacheBlock":
+    def begin_block(self, slots: torch.Tensor | None, T: int, attn_mask: torch.Tensor | None = None,
+                    key_len: int | None = None) -> "CacheBlock":
         """Plan the write of T new tokens per slot: where they go and what they may attend to.
 
         attn_mask (B, T, W), W >= T, covers the last W keys of each row (its W - T newest cached
         entries, then the block); older keys are always visible. W = T is a plain block mask
         (tree verification); W > T lets a block see only some recent entries (draft trees).
-        Default: causal within the block."""
+        Default: causal within the block.
+
+        key_len: how many keys the block reads, at least every row's length + T; callers that
+        know the lengths on the host pass it (an upper bound is fine: keys past a row's block
+        are masked), which spares reading the lengths back from the device (a sync on an
+        accelerator). Default: read them."""
         slots = self.all_slots()[: attn_mask.shape[0] if attn_mask is not None else self.batch_size] if slots is None else slots
         B = slots.shape[0]
         device = self.lengths.device
         start = self.lengths[slots]  # (B,)
-        end = int(start.max()) + T
+        end = int(start.max()) + T if key_len is None else key_len
         if end > self.max_len:
             raise ValueError(f"KV cache overflow: need {end} positions, cache holds {self.max_len}")
         offs = torch.arange(T, device=device)
@@ -301,7 +307,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2).reshape(B, T, -1)
 
 
-def plan_attention(input_ids: torch.Tensor, cache: KVCache | None, slots, positions, attn_mask, max_seq_len: int):
+def plan_attention(input_ids: torch.Tensor, cache: KVCache | None, slots, positions, attn_mask, max_seq_len: int,
+                   key_len: int | None = None):
     """Shared by every decoder here (policy and draft): validate the inputs, then either plan a
     cache block (positions default to the write positions) or a cache-free pass (causal unless
     attn_mask (B, T, T) is given). Returns (block or None, mask for attend(), positions)."""
@@ -320,7 +327,7 @@ def plan_attention(input_ids: torch.Tensor, cache: KVCache | None, slots, positi
         return None, (attn_mask[:, None] if attn_mask is not None else None), positions
     if slots is not None and slots.shape != (B,):
         raise ValueError(f"slots must have shape ({B},), got {tuple(slots.shape)}")
-    block = cache.begin_block(slots if slots is not None else cache.all_slots()[:B], T, attn_mask)
+    block = cache.begin_block(slots if slots is not None else cache.all_slots()[:B], T, attn_mask, key_len)
     return block, block.mask, (block.write_pos if positions is None else positions)
 
 
@@ -358,7 +365,7 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                tap_layers=()) -> ModelOutput:
+                tap_layers=(), key_len: int | None = None) -> ModelOutput:
         """input_ids (B, T).
 
         Without a cache: a full causal forward (training, log-prob recomputation); attn_mask
@@ -366,9 +373,10 @@ class MoETransformer(nn.Module):
         With a cache: the T new tokens of each row b are written to slot slots[b] at positions
         lengths[slot] .. lengths[slot] + T - 1; they attend to the slot's cached prefix and, among
         themselves, causally or per attn_mask (B, T, T). The slot lengths advance by T; callers
-        roll back whatever they do not keep.
+        roll back whatever they do not keep. key_len: see KVCache.begin_block.
         """
-        block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len)
+        block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len,
+                                                key_len)
         cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
         x = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}
