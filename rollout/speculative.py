@@ -276,9 +276,10 @@ class SpecSession:
             hidden = torch.nn.utils.rnn.pad_sequence([feats[r] for r in rows], batch_first=True).to(dtype)
             M = hidden.shape[1]
             tokens = []
-            for r in rows:
-                full, d, n = states[r].prompt + states[r].tokens, D[r], counts[r]
-                tokens.append(full[d + 1: d + 1 + n] + [0] * (M - n))
+            for r in rows:  # x_{D+1} .. x_L: sliced from prompt and answer, not a copy of the whole sequence
+                st, lo, n = states[r], D[r] + 1, counts[r]
+                P = len(st.prompt)
+                tokens.append(st.prompt[lo:lo + n] + st.tokens[max(lo - P, 0):max(lo + n - P, 0)] + [0] * (M - n))
             ids = torch.tensor(tokens, device=slots.device)
             idx = slots if len(groups) == 1 else slots[torch.tensor(rows, device=slots.device)]
             tick(self._prof, "draft_features")
