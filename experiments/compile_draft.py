@@ -5,8 +5,9 @@ it proposes changes only acceptance, never the tokens (verification is exact), s
 draft cannot break losslessness. This script times plain decoding, the eager chain draft and
 the same draft with its forward compiled by inductor (`dynamic=True`: batch, block and key
 lengths change every step), in turns on the same prompts, after compiling on a warm-up, and
-writes summary.json. The draft's cache block reads the longest slot length on the host to
-size its keys, so the compiled forward breaks its graph there.
+writes summary.json. Until cc2e699 the draft's cache block read the longest slot length back
+from the tensor to size its keys, a graph break; since then the engine passes that length from
+the host (`key_len`), and the compiled draft still loses on CPU (README, "Measured figures").
 
     python -m experiments.compile_draft --out DIR [--preset quick] [--batches 1,4,16]
 """
