@@ -34,9 +34,8 @@ class PromptTooLongError(ValueError):
 
 
 def cached_len(states) -> int:
-    """The longest target KV cache among these requests, from the host: every token but the
-    last emitted one has been fed."""
-    return max(len(s.prompt) + len(s.tokens) - 1 for s in states)
+    """The longest target KV cache among these requests, from the host (`SlotState.n_cached`)."""
+    return max(s.n_cached for s in states)
 
 
 MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
@@ -82,6 +81,12 @@ class SlotState:
     @property
     def last_token(self) -> int:
         return self.tokens[-1]
+
+    @property
+    def n_cached(self) -> int:
+        """Entries of this request in the target's KV cache: every token but the last emitted one
+        has been fed. Known on the host, so nothing is read back from the device for it."""
+        return len(self.prompt) + len(self.tokens) - 1
 
 
 @dataclass

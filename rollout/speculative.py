@@ -266,8 +266,8 @@ class SpecSession:
         feats = [p[0] if len(p) == 1 else torch.cat(p, 0) for p in (self.pending[s] for s in active)]
         counts = [f.shape[0] for f in feats]
         # the draft cache ends where the pending run starts, and the run ends at the target cache's
-        # length, which the host knows (every token but the last was fed): no read of the device
-        D = [len(st.prompt) + len(st.tokens) - 1 - n for st, n in zip(states, counts)]
+        # length, which the host knows: no read of the device
+        D = [st.n_cached - n for st, n in zip(states, counts)]
         dtype = self.draft.fc.weight.dtype
         groups = fit_groups(D, counts, self.cache.max_len)
         h_last = q_last = None
@@ -281,7 +281,8 @@ class SpecSession:
                 P = len(st.prompt)
                 tokens.append(st.prompt[lo:lo + n] + st.tokens[max(lo - P, 0):max(lo + n - P, 0)] + [0] * (M - n))
             ids = torch.tensor(tokens, device=slots.device)
-            idx = slots if len(groups) == 1 else slots[torch.tensor(rows, device=slots.device)]
+            sel = None if len(groups) == 1 else torch.tensor(rows, device=slots.device)  # (G,) rows of this group
+            idx = slots if sel is None else slots[sel]
             tick(self._prof, "draft_features")
             prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx, key_len=max(D[r] for r in rows) + M)
             # the padding's entries are dropped: each row keeps exactly its pending run
@@ -289,13 +290,12 @@ class SpecSession:
             ar = torch.arange(len(rows), device=slots.device)
             last = torch.tensor([counts[r] - 1 for r in rows], device=slots.device)
             h_g, q_g = prenorm[ar, last], self.draft.to_target_logits(logits[ar, last])  # (G, H), (G, V)
-            if len(groups) == 1:
+            if sel is None:
                 h_last, q_last = h_g, q_g
             else:
                 if h_last is None:
                     h_last = h_g.new_empty(len(feats), *h_g.shape[1:])
                     q_last = q_g.new_empty(len(feats), *q_g.shape[1:])
-                sel = torch.tensor(rows, device=slots.device)
                 h_last[sel], q_last[sel] = h_g, q_g
             tick(self._prof, "draft")
         return h_last, q_last
