@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--gamma", type=int, default=4, help="chain length of the chain rows (the controller may use 1..gamma)")
-    s.add_argument("--repeats", type=int, default=5, help="(embedded) timed calls per arm and batch, after a warm-up; "
-                                                         "the best is reported, the bound's parts pool all of them")
+    s.add_argument("--repeats", type=int, default=None, help="timed calls per arm and batch, after a warm-up (default: "
+                                                            "5 embedded, 3 vllm); the best is reported, the bound's "
+                                                            "parts pool all of them")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
                         "vs the embedded engine (greedy)")
@@ -164,6 +165,9 @@ def run(args: argparse.Namespace) -> dict:
 
         if not 0 < args.gamma <= MAX_SPEC_DEPTH:
             raise ValueError(f"--gamma must be in [1, {MAX_SPEC_DEPTH}], got {args.gamma}")
+        if args.repeats is not None and not 0 < args.repeats <= 100:
+            raise ValueError(f"--repeats must be in [1, 100], got {args.repeats}")
+        repeats = {} if args.repeats is None else {"repeats": args.repeats}  # else each engine's default
         if args.engine == "vllm":
             from specrl.bench_vllm import bench_speed_vllm
 
@@ -171,14 +175,13 @@ def run(args: argparse.Namespace) -> dict:
                 raise ValueError("--engine vllm benchmarks greedy decoding only (its rows check token identity, "
                                  "which sampled speculation on vLLM keeps in law only); drop --temperature")
             return bench_speed_vllm(args.task, args.preset, args.out, args.batch_list, seed=args.seed,
-                                    cache_dir=args.cache_dir, gamma=args.gamma, online_draft_dir=args.online_draft)
+                                    cache_dir=args.cache_dir, gamma=args.gamma, online_draft_dir=args.online_draft,
+                                    **repeats)
         if args.online_draft is not None:
             raise ValueError("--online-draft needs --engine vllm")
-        if not 0 < args.repeats <= 100:
-            raise ValueError(f"--repeats must be in [1, 100], got {args.repeats}")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                           chain_gamma=args.gamma, repeats=args.repeats)
+                           chain_gamma=args.gamma, **repeats)
     if args.command == "bench" and args.bench == "profile":
         from specrl.bench import bench_profile
 
