@@ -97,6 +97,7 @@ class Prefill:
     ids: torch.Tensor  # (B, T) prompts, right-padded
     lens: torch.Tensor  # (B,) prompt lengths
     states: list[SlotState]
+    slot_list: list[int]  # `slots` on the host
     done: bool = False
 
 
@@ -174,7 +175,7 @@ class EmbeddedEngine:
             new = {i for i, _ in admit}
             active = self._decoding(slots, n_decode, new)
             prefill = self._plan_prefill(admit) if admit else None
-            if prefill is not None and not self._can_fuse(cache, active, prefill, slack):
+            if prefill is not None and not self._can_fuse(cache, [slots[i] for i in active], prefill, slack):
                 # nothing to fuse with, or no room: prefill on its own; the new requests join this step
                 self._run_prefill(cache, prefill, params, capture_features, spec)
                 prefill = None
@@ -241,20 +242,20 @@ class EmbeddedEngine:
                          spec=SpecStats() if self.speculator is not None else None)
 
     def _plan_prefill(self, admit) -> "Prefill":
+        """The admitted prompts as one right-padded block, built on the host and uploaded."""
+        width = max(len(s.prompt) for _, s in admit)
+        ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for _, s in admit], device=self.device)
         slot_ids = torch.tensor([i for i, _ in admit], device=self.device)
         lens = torch.tensor([len(s.prompt) for _, s in admit], device=self.device)
-        ids = torch.zeros(len(admit), int(lens.max()), dtype=torch.long, device=self.device)
-        for r, (_, s) in enumerate(admit):
-            ids[r, : len(s.prompt)] = torch.tensor(s.prompt)
-        return Prefill(slot_ids, ids, lens, [s for _, s in admit])
+        return Prefill(slot_ids, ids, lens, [s for _, s in admit], [i for i, _ in admit])
 
-    def _can_fuse(self, cache: KVCache, active: list[int], prefill: "Prefill", slack: int) -> bool:
+    def _can_fuse(self, cache: KVCache, active: list[SlotState], prefill: "Prefill", slack: int) -> bool:
         """Whether the prompts can ride along the step's forward: the step's rows are padded to
-        the longest prompt, so each must have that much room left in its slot."""
+        the longest prompt, so each must have that much room left in its slot (lengths from
+        the host, `cached_len`)."""
         if not active:
             return False
-        room = cache.max_len - int(cache.lengths[torch.tensor(active)].max())
-        return room >= max(prefill.ids.shape[1], slack, 1)
+        return cache.max_len - cached_len(active) >= max(prefill.ids.shape[1], slack, 1)
 
     def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
         cache.reset(prefill.slots)
@@ -266,7 +267,7 @@ class EmbeddedEngine:
                         rows=slice(None)) -> None:
         """The prompts' forward is done (rows `rows` of `out`): drop the right padding, hand the
         features on, and sample each request's first token from its last prompt position."""
-        cache.rollback(prefill.slots, prefill.lens)
+        cache.rollback(prefill.slots, prefill.lens, check=False)  # each prompt fits its padded block
         lens = prefill.lens
         last_logits = out.logits[rows][torch.arange(len(prefill.states), device=self.device), lens - 1]  # (B, V)
         if capture or spec is not None:
@@ -275,7 +276,7 @@ class EmbeddedEngine:
                 for r, s in enumerate(prefill.states):
                     s.features.append(feats[r, : len(s.prompt)].to(torch.float16).cpu())
             if spec is not None:
-                spec.on_prefill(prefill.slots, prefill.ids, feats, lens)
+                spec.on_prefill(prefill.slot_list, feats, [len(s.prompt) for s in prefill.states])
         prefill.done = True
         self._emit(prefill.states, last_logits, params)
 
@@ -311,7 +312,7 @@ class EmbeddedEngine:
         cache.reset(prefill.slots)
         out = self.model(all_ids, cache=cache, slots=torch.cat([slots, prefill.slots]), positions=all_pos,
                          attn_mask=mask, tap_layers=taps, key_len=None if key_len is None else key_len - T + W)
-        cache.rollback(slots, start + T)
+        cache.rollback(slots, start + T, check=False)  # the step's rows keep their T tokens
         self._finish_prefill(cache, prefill, out, params, capture, spec, rows=slice(B, None))
         return ModelOutput(logits=out.logits[:B, :T], hidden=out.hidden[:B, :T],
                            taps={k: v[:B, :T] for k, v in out.taps.items()})
@@ -327,7 +328,7 @@ class EmbeddedEngine:
             for r, s in enumerate(states):
                 s.features.append(feats[r].to(torch.float16).cpu())
         if spec is not None:
-            spec.on_plain_step(slot_ids, ids, out)
+            spec.on_plain_step(active, out)
         tick(self.profiler, "features")
         self._emit(states, out.logits[:, -1], params)
         tick(self.profiler, "emit")
@@ -346,8 +347,10 @@ class EmbeddedEngine:
             tok = sample(logp, mode=self.config.sampling_mode, generator=self.generator, seed=params.seed,
                          request_ids=rids, steps=steps)
         lp = policy_logprobs(logits, params.temperature).gather(-1, tok[:, None])[:, 0]
-        for s, t, l in zip(states, tok.tolist(), lp.tolist()):
-            self.append_token(s, t, l, params)
+        # one transfer hands tokens and log-probs back: float64 holds the token ids exactly
+        toks, lps = torch.stack([tok.double(), lp.double()]).tolist()
+        for s, t, l in zip(states, toks, lps):
+            self.append_token(s, int(t), l, params)
 
     @staticmethod
     def append_token(s: SlotState, token: int, logprob: float, params: SamplingParams) -> bool:

@@ -133,14 +133,16 @@ class SpecSession:
         self.faulted = True
         warnings.warn(f"speculation disabled for this rollout after a draft failure ({msg})", RuntimeWarning)
 
-    def on_prefill(self, slot_ids: torch.Tensor, ids: torch.Tensor, feats: torch.Tensor, lens: torch.Tensor) -> None:
-        self.cache.reset(slot_ids)
-        for r, s in enumerate(slot_ids.tolist()):
-            self.pending[s] = [feats[r, : int(lens[r])]]
+    def on_prefill(self, slots: list[int], feats: torch.Tensor, lens: list[int]) -> None:
+        """Newly admitted prompts (slot ids and lengths on the host): their features await the draft."""
+        self.cache.reset(torch.tensor(slots, device=self.cache.lengths.device))
+        for r, (s, n) in enumerate(zip(slots, lens)):
+            self.pending[s] = [feats[r, :n]]
 
-    def on_plain_step(self, slot_ids: torch.Tensor, ids: torch.Tensor, out) -> None:
+    def on_plain_step(self, slots: list[int], out) -> None:
+        """A plain decode step of these slots: each one's new feature awaits the draft."""
         feats = out.features(self.draft.cfg.aux_layer_ids)
-        for r, s in enumerate(slot_ids.tolist()):
+        for r, s in enumerate(slots):
             self.pending[s].append(feats[r])
 
     # -- one speculative step ------------------------------------------------------------

@@ -388,7 +388,8 @@ def measure_and_save(out_dir, benchmark: str, task_name: str, preset_name: str, 
             log(format_row(row))
     summary = save_summary(out_dir, {"benchmark": benchmark, "task": task_name, "preset": preset_name,
                                      "temperature": temperature, "model": model_summary(policy, draft),
-                                     "measurement": MEASUREMENT, "repeats": repeats, "rows": rows})
+                                     "measurement": MEASUREMENT, "repeats": repeats,
+                                     "prompts_per_batch": prompts_per_batch, "rows": rows})
     log(format_table(summary["rows"]))
     return summary
 

@@ -124,7 +124,7 @@ def bench_speed_vllm(task_name: str, preset_name: str, out_dir, batches: list[in
     summary = save_summary(out_dir, {"benchmark": "speed-vllm", "engine": "vllm", "task": task_name,
                                      "preset": preset_name, "temperature": 0.0, "gamma": gamma,
                                      "model": model_summary(policy, draft), "measurement": VLLM_MEASUREMENT,
-                                     "rows": rows})
+                                     "repeats": repeats, "prompts_per_batch": prompts_per_batch, "rows": rows})
     log(format_table(summary["rows"]))
     best = max((r for r in rows if r["mode"] != "plain"), key=lambda r: r["speedup"], default=None)
     if best is not None:

@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--repeats", type=int, default=None, help="timed calls per arm and batch, after a warm-up (default: "
                                                             "5 embedded, 3 vllm); the best is reported, the bound's "
                                                             "parts pool all of them")
+    s.add_argument("--prompts-per-batch", type=int, default=3, metavar="N",
+                   help="requests per batch slot: batch B decodes B * N prompts, so the engine refills each "
+                        "slot N - 1 times and ends with a partial-batch tail (default 3)")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
                         "vs the embedded engine (greedy)")
@@ -167,7 +170,10 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError(f"--gamma must be in [1, {MAX_SPEC_DEPTH}], got {args.gamma}")
         if args.repeats is not None and not 0 < args.repeats <= 100:
             raise ValueError(f"--repeats must be in [1, 100], got {args.repeats}")
+        if not 0 < args.prompts_per_batch <= 64:
+            raise ValueError(f"--prompts-per-batch must be in [1, 64], got {args.prompts_per_batch}")
         repeats = {} if args.repeats is None else {"repeats": args.repeats}  # else each engine's default
+        repeats["prompts_per_batch"] = args.prompts_per_batch
         if args.engine == "vllm":
             from specrl.bench_vllm import bench_speed_vllm
 

@@ -273,7 +273,7 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
     assert read_metrics(path)[0]["train/draft_loss"] is None
 
 
-@pytest.mark.parametrize("flag", ["--gamma", "--repeats"])
+@pytest.mark.parametrize("flag", ["--gamma", "--repeats", "--prompts-per-batch"])
 def test_bench_speed_bad_gamma_or_repeats(tmp_path, capsys, flag):
     assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), flag, "0", "--batches", "1"]) == 2
     assert flag in _err_line(capsys)

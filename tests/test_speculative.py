@@ -229,10 +229,10 @@ class _DeviceReads:
 
 @pytest.mark.parametrize("gamma", [2, 4])
 def test_a_chain_step_reads_the_device_only_where_documented(tiny_model, gamma, monkeypatch):
-    """The reads left in a speculative chain step without admissions: one per cache block (its
-    key length, KVCache.begin_block: the draft's pending feed, gamma - 1 chain steps, the
-    verify), one per MoE layer of the verify forward (the sorted dispatch's group sizes), and
-    the hand-back of tokens, counts and log-probs in one transfer. A new read fails here."""
+    """The reads left in a speculative chain step without admissions: one per MoE layer of the
+    verify forward (the sorted dispatch's group sizes) and the hand-back of tokens, counts and
+    log-probs in one transfer. Every cache block's key length comes from the host. A new read
+    fails here."""
     from rollout.speculative import SpecSession
     from specrl.drafts import DraftTrainConfig, new_draft
     from target_training.model import MoE
@@ -256,6 +256,52 @@ def test_a_chain_step_reads_the_device_only_where_documented(tiny_model, gamma, 
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2))
     assert not engine.draft_faults and len(counts) >= 5
     assert set(counts) == {n_moe + 1}
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_model, speculate, monkeypatch):
+    """Per engine step, the reads are one per MoE layer of its one forward plus one hand-back
+    per group of requests given tokens: a plain decode step n_moe + 1; a step that carries newly
+    admitted prompts (fused prefill) n_moe + 2, the prompts' first tokens being the second
+    hand-back; a prefill on its own n_moe + 1. Planning an admission (`_plan_prefill`,
+    `_can_fuse`) reads nothing: prompt and cache lengths are known on the host."""
+    from rollout.speculative import SpecSession
+    from specrl.drafts import DraftTrainConfig, new_draft
+    from target_training.model import MoE
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6, 8, 5)]
+    n_moe = sum(isinstance(layer.mlp, MoE) for layer in tiny_model.layers)
+    seen: dict[str, list[int]] = {}
+
+    def counting(name, fn, key):
+        def wrapped(*args, **kwargs):
+            reads = _DeviceReads()
+            with reads.mode:
+                out = fn(*args, **kwargs)
+            seen.setdefault(key(*args, **kwargs), []).append(reads.n)
+            return out
+        monkeypatch.setattr(*name, wrapped)
+
+    def fused(*args, **kwargs):
+        prefill = args[-1] if len(args) > 7 else kwargs.get("prefill")
+        return "fused" if prefill is not None else "alone"
+
+    counting((EmbeddedEngine, "_decode_step"), EmbeddedEngine._decode_step, lambda *a, **k: "plain " + fused(*a, **k))
+    counting((SpecSession, "step"), SpecSession.step, lambda *a, **k: "spec " + fused(*a, **k))
+    counting((EmbeddedEngine, "_run_prefill"), EmbeddedEngine._run_prefill, lambda *a, **k: "prefill alone")
+    counting((EmbeddedEngine, "_plan_prefill"), EmbeddedEngine._plan_prefill, lambda *a, **k: "plan")
+    counting((EmbeddedEngine, "_can_fuse"), EmbeddedEngine._can_fuse, lambda *a, **k: "plan")
+    spec = None
+    if speculate:
+        draft = new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
+        spec = Speculator(draft, SpecConfig("chain", 3))
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3), speculator=spec)
+    engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
+    kind = "spec" if speculate else "plain"
+    expected = {"plan": 0, "prefill alone": n_moe + 1, f"{kind} alone": n_moe + 1, f"{kind} fused": n_moe + 2}
+    assert set(seen) == set(expected), seen.keys()  # every kind of step ran
+    assert {k: set(v) for k, v in seen.items()} == {k: {n} for k, n in expected.items()}
 
 
 @pytest.mark.parametrize("mode", [None, "chain", "tree"])
