@@ -117,8 +117,9 @@ class Eagle3Draft(nn.Module):
         self._embed_ref = _Ref(embedding)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        w = self.embed_tokens.weight.detach()
-        return F.embedding(input_ids.to(w.device), w).to(device=self.fc.weight.device, dtype=self.fc.weight.dtype)
+        w, own = self.embed_tokens.weight.detach(), self.fc.weight
+        x = F.embedding(input_ids if input_ids.device == w.device else input_ids.to(w.device), w)
+        return x if (x.device, x.dtype) == (own.device, own.dtype) else x.to(device=own.device, dtype=own.dtype)
 
     @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
@@ -144,13 +145,15 @@ class Eagle3Draft(nn.Module):
             else:
                 raise ValueError(f"hidden has width {width}; expected 3 * target_hidden_size = "
                                  f"{3 * self.cfg.target_hidden_size} or hidden_size = {self.cfg.hidden_size}")
-        hidden = hidden.to(self.fc.weight.dtype)
+        if hidden.dtype != self.fc.weight.dtype:
+            hidden = hidden.to(self.fc.weight.dtype)
         return self.fc(hidden) if project else hidden
 
-    def prepare(self, input_ids, hidden, positions, project: bool | None = None):
-        """-> (h, q, k, v): the residual stream and the RoPE'd queries/keys at `positions` (B, T)."""
+    def prepare(self, input_ids, hidden, positions, project: bool | None = None, n_positions: int | None = None):
+        """-> (h, q, k, v): the residual stream and the RoPE'd queries/keys at `positions` (B, T),
+        all below `n_positions` where given (rope_cos_sin)."""
         h = self.project(hidden, project)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, n_positions)
         q, k, v = self.midlayer.qkv(self.embed(input_ids), h, cos, sin)
         return h, q, k, v
 
@@ -181,7 +184,7 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"hidden must have shape ({B}, {T}, ...), got {tuple(hidden.shape)}")
         block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len,
                                                 key_len)
-        h, q, k, v = self.prepare(input_ids, hidden, positions, project)
+        h, q, k, v = self.prepare(input_ids, hidden, positions, project, cache.max_len if cache is not None else None)
         if block is not None:
             k, v = block.write_and_read(0, k, v)
         out = self.finish(h, q, k, v, mask)

@@ -42,6 +42,7 @@ class StepRecord:
     fused_prefill: bool  # newly admitted prompts rode along in this step's forward
     phases: dict = field(default_factory=dict)  # phase -> seconds
     total_s: float = 0.0
+    call: int = 0  # which generate() call of a profiler carried through several (`next_call`)
 
 
 class StepProfiler:
@@ -52,6 +53,7 @@ class StepProfiler:
         self.records: list[StepRecord] = []
         self._rec: StepRecord | None = None
         self._t0 = self._last = 0.0
+        self.call = 0  # stamped on each record: a benchmark sets it to the timed repeat it runs
 
     def _now(self) -> float:
         if self.cuda:
@@ -59,7 +61,7 @@ class StepProfiler:
         return time.perf_counter()
 
     def begin(self, kind: str, n_active: int, fused_prefill: bool) -> None:
-        self._rec = StepRecord(kind, n_active, 0, fused_prefill)
+        self._rec = StepRecord(kind, n_active, 0, fused_prefill, call=self.call)
         self._t0 = self._last = self._now()
 
     def mark(self, phase: str) -> None:
@@ -85,9 +87,10 @@ class StepProfiler:
         rec.total_s = self._last - self._t0
         self.records.append(rec)
 
-    def select(self, kind: str, n_active: int | None = None, fused_prefill: bool | None = False) -> list[StepRecord]:
+    def select(self, kind: str, n_active: int | None = None, fused_prefill: bool | None = False,
+               call: int | None = None) -> list[StepRecord]:
         return [r for r in self.records if r.kind == kind and (n_active is None or r.n_active == n_active)
-                and (fused_prefill is None or r.fused_prefill == fused_prefill)]
+                and (fused_prefill is None or r.fused_prefill == fused_prefill) and (call is None or r.call == call)]
 
 
 def tick(profiler: StepProfiler | None, phase: str) -> None:

@@ -63,6 +63,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
             getattr(engine, "ready", lambda: None)()
             if name in profilers:
                 engine.profiler = profilers[name]
+                profilers[name].call = rep  # the step records say which repeat they came from
             try:
                 t0 = time.perf_counter()
                 trajs = engine.generate(prompts, params)
@@ -129,7 +130,12 @@ MEASUREMENT = {
                     "wakes and how long its context is, and partly preemption)",
     "speedup_median": "median over the timed repeats of the per-repeat ratio of this row's tokens/s to plain's "
                       "(the two calls of a repeat run seconds apart, so a slow spell of the machine hits both)",
+    "speedup_repeats": "each timed repeat's tokens/s over plain's in the same repeat, in repeat order",
     "efficiency_median": "speedup_median / bound_median: the efficiency with medians on both sides",
+    "efficiency_paired": "median over the timed repeats of (that repeat's speed-up over plain) / (the bound from "
+                         "the medians of that repeat's own step samples, both arms): numerator and denominator "
+                         "come from the same two calls, seconds apart, so a slow spell of the machine moves both; "
+                         "null where the profiler did not ride along the timed calls (CUDA)",
     "profile": "mean seconds per step of each phase (rollout.profile) over the profiled full-batch steps "
                "(the same steps as target_step_s)",
     "efficiency_factors": "efficiency as a product of three factors (specrl.bench.efficiency_factors): timed "
@@ -152,15 +158,15 @@ def profiled_run(engine, prompts, params):
     return trajs, prof
 
 
-def engine_step_costs(plain_prof, spec_prof, batch: int, gamma: int) -> dict:
+def engine_step_costs(plain_prof, spec_prof, batch: int, gamma: int, call: int | None = None) -> dict:
     """The bound's parts from real engine steps (see MEASUREMENT): target step, verify forward
     and draft step, each the lower quartile (rollout.profile.low_quartile) and the median over the profiled
-    runs' full-batch steps without a fused prefill. Rows with no such step (a batch larger than the prompts)
-    get None."""
+    runs' full-batch steps without a fused prefill (of one timed call with `call`, else of all).
+    Rows with no such step (a batch larger than the prompts) get None."""
     from rollout.profile import bound_costs
 
-    plain = plain_prof.select("plain", batch)
-    spec = [r for r in spec_prof.select("spec", batch) if r.gamma == gamma]
+    plain = plain_prof.select("plain", batch, call=call)
+    spec = [r for r in spec_prof.select("spec", batch, call=call) if r.gamma == gamma]
     return bound_costs([r.phases["forward"] for r in plain], [r.phases["verify_forward"] for r in spec],
                        [r.phases.get("draft", 0.0) / gamma for r in spec],
                        {"plain_steps": len(plain), "spec_steps": len(spec)})
@@ -194,13 +200,20 @@ def efficiency_factors(row: dict, plain_profile: dict) -> dict | None:
             "mean_over_quartile": forwards / row["bound"]}
 
 
-def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, profile: dict) -> dict:
-    """One speculative row: speed against plain, acceptance, the bound from measured costs."""
+def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, profile: dict,
+             per_repeat_costs: list[dict] | None = None) -> dict:
+    """One speculative row: speed against plain, acceptance, the bound from measured costs
+    (pooled over the repeats: `costs`; each repeat's own: `per_repeat_costs`, for the paired
+    efficiency)."""
     same = same_tokens(timed["trajectories"], plain_timed["trajectories"])
     agg = summarize_spec_stats(t.spec for t in timed["trajectories"])
-    speedups = {"": timed["tokens_per_s"] / plain_timed["tokens_per_s"],
-                "_median": statistics.median(s / p for s, p in zip(timed["tokens_per_s_repeats"],
-                                                                   plain_timed["tokens_per_s_repeats"]))}
+    ratios = [s / p for s, p in zip(timed["tokens_per_s_repeats"], plain_timed["tokens_per_s_repeats"])]
+    speedups = {"": timed["tokens_per_s"] / plain_timed["tokens_per_s"], "_median": statistics.median(ratios)}
+    paired = None
+    if per_repeat_costs and all(c["c_median"] is not None for c in per_repeat_costs):
+        paired = statistics.median(
+            r * (c["verify_cost_median"] + spec_cfg.gamma * c["c_median"]) / agg["accept_length"]
+            for r, c in zip(ratios, per_repeat_costs))
     bounds = {}
     for suffix, speedup in speedups.items():
         bound = eff = None
@@ -212,8 +225,10 @@ def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, 
     return {"batch": batch, "mode": spec_cfg.mode, "gamma": spec_cfg.gamma,
             "tree_budget": spec_cfg.tree_budget if spec_cfg.mode == "tree" else None,
             "tokens_per_s": timed["tokens_per_s"], "speedup": speedup, "speedup_median": speedups["_median"],
+            "speedup_repeats": ratios,
             "accept_length": agg["accept_length"],
-            "alpha": agg["accept_rate"], **bounds, "identical_to_plain": same, **costs, "profile": profile}
+            "alpha": agg["accept_rate"], **bounds, "efficiency_paired": paired, "identical_to_plain": same, **costs,
+            "profile": profile}
 
 
 def adaptive_speculator(draft, spec_cfg, gammas):
@@ -253,7 +268,9 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
              "profile": step_profile(profs["plain"], batch)}]
     for i, scfg in enumerate(spec_cfgs):
         costs = engine_step_costs(profs["plain"], profs[i], batch, scfg.gamma)
-        row = spec_row(batch, scfg, timed[i], plain, costs, step_profile(profs[i], batch))
+        per_repeat = ([engine_step_costs(profs["plain"], profs[i], batch, scfg.gamma, call=r) for r in range(repeats)]
+                      if in_timed else None)
+        row = spec_row(batch, scfg, timed[i], plain, costs, step_profile(profs[i], batch), per_repeat)
         row["efficiency_factors"] = efficiency_factors(row, rows[0]["profile"])
         rows.append(row)
     if adaptive_gammas:
@@ -292,7 +309,7 @@ def format_row(row: dict) -> str:
             f"tau {_fmt(row.get('accept_length'))}  alpha {_fmt(row.get('alpha'))}  c {_fmt(row.get('c'), '.3f')}  "
             f"verify {_fmt(row.get('verify_cost'))}  bound {_fmt(row.get('bound'))}  eff {_fmt(row.get('efficiency'))}  "
             f"(medians: x{_fmt(row.get('speedup_median'))} bound {_fmt(row.get('bound_median'))} "
-            f"eff {_fmt(row.get('efficiency_median'))})  "
+            f"eff {_fmt(row.get('efficiency_median'))}, paired eff {_fmt(row.get('efficiency_paired'))})  "
             f"identical {_fmt(row.get('identical_to_plain'))}"
             + ("  eff = " + " x ".join(f"{k} {v:.3f}" for k, v in row["efficiency_factors"].items())
                if row.get("efficiency_factors") else ""))
@@ -301,13 +318,13 @@ def format_row(row: dict) -> str:
 TABLE_COLUMNS = (("batch", "d"), ("mode", "s"), ("tokens_per_s", ".1f"), ("speedup", ".2f"), ("accept_length", ".2f"),
                  ("alpha", ".2f"), ("c", ".3f"), ("verify_cost", ".2f"), ("bound", ".2f"), ("efficiency", ".2f"),
                  ("speedup_median", ".2f"), ("bound_median", ".2f"), ("efficiency_median", ".2f"),
-                 ("identical_to_plain", "s"))
+                 ("efficiency_paired", ".2f"), ("identical_to_plain", "s"))
 
 
 def format_table(rows: list[dict]) -> str:
     """The rows as a Markdown table (the README's form)."""
     head = ["batch", "mode", "tokens/s", "speedup", "tau", "alpha", "c", "verify", "bound", "eff", "speedup (median)",
-            "bound (median)", "eff (median)", "identical"]
+            "bound (median)", "eff (median)", "eff (paired)", "identical"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = []

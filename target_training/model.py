@@ -27,23 +27,48 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        if dtype != torch.float32:  # a no-op cast still costs a dispatch, and a decode step has dozens
+            x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x).to(dtype)
+        x = self.weight * x
+        return x if x.dtype == dtype else x.to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions (B, T) -> cos, sin (B, T, 1, D) in the rotate-half convention."""
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float,
+                 n_positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions (B, T) -> cos, sin (B, T, 1, D) in the rotate-half convention.
+
+    With `n_positions` (every position is below it, e.g. a KV cache's length) the values are
+    looked up in a table of positions 0 .. n_positions - 1, built once per head_dim, theta and
+    device: two index ops where the formula takes eight, which on a small model's decode step
+    (overhead-bound) is worth having. The table holds the formula's own values."""
+    if n_positions is not None:
+        cos, sin = _rope_table(n_positions, head_dim, theta, positions.device)
+        return cos[positions], sin[positions]
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.to(torch.float32)[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]  # (B, T, 1, D)
     return emb.cos(), emb.sin()
 
 
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (head_dim, theta, device) -> (P, 1, D) x 2
+
+
+def _rope_table(n_positions: int, head_dim: int, theta: float, device: torch.device):
+    key = (head_dim, float(theta), device)
+    table = _ROPE_TABLES.get(key)
+    if table is None or table[0].shape[0] < n_positions:  # grown to the largest cache seen
+        cos, sin = rope_cos_sin(torch.arange(n_positions, device=device)[None], head_dim, theta)
+        table = _ROPE_TABLES[key] = (cos[0], sin[0])
+    return table
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (B, T, H, D)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    if x.dtype == torch.float32:
+        return x * cos + rotated * sin
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
@@ -241,10 +266,12 @@ class MoE(nn.Module):
         order = torch.argsort(topi.reshape(-1), stable=True)  # (N*k,) grouped by expert, tokens ascending
         tok, slot = order // k, order % k
         h = flat[tok]  # (N*k, H)
+        weights = zip(self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0))  # 3 ops, not 3 per expert
         ys, start = [], 0
-        for e, n in enumerate(counts.tolist()):
+        for n, (w_gate, w_up, w_down) in zip(counts.tolist(), weights):
             if n:
-                ys.append(self._expert(e, h[start:start + n]))
+                x = h[start:start + n]
+                ys.append(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down))  # = _expert(e, x)
                 start += n
         y = torch.cat(ys) * topw[tok, slot, None]  # (N*k, H)
         # index_add_ on CPU adds in index order, so each token sums its experts in ascending order
@@ -279,11 +306,17 @@ class CacheBlock:
     mask: torch.Tensor  # (B, 1, T, S) bool, True = attend
 
     def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, T, Hkv, D) of one layer and return all keys/values (B, S, Hkv, D)."""
+        """Store k, v (B, T, Hkv, D) of one layer and return all keys/values (B, S, Hkv, D), in k's dtype."""
+        dtype = k.dtype
         c, rows = self.cache, self.slots[:, None].expand_as(self.write_pos)
-        c.k[layer, rows, self.write_pos] = k.to(c.k.dtype)
-        c.v[layer, rows, self.write_pos] = v.to(c.v.dtype)
-        return c.k[layer, self.slots, : self.key_len].to(k.dtype), c.v[layer, self.slots, : self.key_len].to(v.dtype)
+        if k.dtype != c.k.dtype:  # (casts only where the dtypes differ: a no-op cast still costs a dispatch)
+            k, v = k.to(c.k.dtype), v.to(c.v.dtype)
+        c.k[layer, rows, self.write_pos] = k
+        c.v[layer, rows, self.write_pos] = v
+        keys, values = c.k[layer, self.slots, : self.key_len], c.v[layer, self.slots, : self.key_len]
+        if keys.dtype != dtype:
+            keys, values = keys.to(dtype), values.to(dtype)
+        return keys, values
 
     def commit(self) -> None:
         """Advance the slot lengths past the block; callers roll back what they do not keep."""
@@ -377,7 +410,8 @@ class MoETransformer(nn.Module):
         """
         block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len,
                                                 key_len)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta,
+                                cache.max_len if cache is not None else None)  # a cached position is below it
         x = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}
         tap_set = set(tap_layers)

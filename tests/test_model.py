@@ -115,3 +115,21 @@ def test_sorted_and_masked_expert_dispatch_are_bitwise_equal(n_tokens, monkeypat
     monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 10**9)
     monkeypatch.setattr(MoE, "_experts_sorted", lambda *a: pytest.fail("sorted dispatch under autograd"))
     assert torch.equal(moe(x)[0], masked_out)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 32, 64])
+def test_rope_table_holds_the_formulas_values(head_dim):
+    """A cached forward looks RoPE up in a table of every cache position (rope_cos_sin with
+    n_positions): bit for bit the formula's values, at any batch shape, and the table grows to
+    the largest cache asked for."""
+    from target_training.model import _ROPE_TABLES, rope_cos_sin
+
+    g = torch.Generator().manual_seed(head_dim)
+    for n_positions in (40, 300):
+        for B, T in ((1, 1), (3, 1), (4, 5), (5, 13)):
+            pos = torch.randint(0, n_positions, (B, T), generator=g)
+            direct = rope_cos_sin(pos, head_dim, 10000.0)
+            looked_up = rope_cos_sin(pos, head_dim, 10000.0, n_positions)
+            assert all(torch.equal(a, b) for a, b in zip(direct, looked_up))
+            assert looked_up[0].shape == (B, T, 1, head_dim)
+    assert _ROPE_TABLES[(head_dim, 10000.0, torch.device("cpu"))][0].shape[0] >= 300

@@ -7,7 +7,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.profile import PLAIN_PHASES, SPEC_PHASES, StepProfiler, low_quartile, phase_breakdown
-from rollout.protocol import SamplingParams
+from rollout.protocol import SamplingParams, SpecStats
 from rollout.speculative import SpecConfig, Speculator
 from specrl.bench import engine_step_costs, profiled_run, step_profile
 from specrl.train_rl import encode_prompts
@@ -102,3 +102,26 @@ def test_bound_parts_come_from_the_timed_calls_on_cpu(sft_policy, offline_draft,
     assert set(factors) == {"outside_full_batch_steps", "loop_around_forwards", "mean_over_quartile"}
     assert factors["loop_around_forwards"] < 1.0  # the loop around the forwards is never free
     assert math.prod(factors.values()) == pytest.approx(chain_row["efficiency"], rel=1e-9)
+    assert len(chain_row["speedup_repeats"]) == 2 and 0 < chain_row["efficiency_paired"] < 10
+
+
+def test_paired_efficiency_divides_each_repeat_by_its_own_bound():
+    """efficiency_paired = median over repeats of (repeat's speed-up) / (bound from that repeat's
+    medians); the pooled figures are untouched by the per-repeat costs."""
+    from types import SimpleNamespace
+
+    from specrl.bench import spec_row
+
+    traj = SimpleNamespace(token_ids=[1, 2, 3], spec=SpecStats())
+    for _ in range(4):
+        traj.spec.record(3, 2)  # tau = 3
+    timed = {"trajectories": [traj], "tokens_per_s": 30.0, "tokens_per_s_repeats": [30.0, 20.0, 27.0]}
+    plain = {"trajectories": [traj], "tokens_per_s": 10.0, "tokens_per_s_repeats": [10.0, 10.0, 9.0]}
+    pooled = {"verify_cost": 1.2, "c": 0.1, "verify_cost_median": 1.5, "c_median": 0.2}
+    repeats = [{"verify_cost_median": v, "c_median": c} for v, c in ((1.0, 0.25), (1.5, 0.125), (1.2, 0.2))]
+    row = spec_row(1, SpecConfig(mode="chain", gamma=4), timed, plain, pooled, {}, repeats)
+    # repeat bounds 3 / 2 = 1.5, 3 / 2 = 1.5, 3 / 2 = 1.5; speed-ups 3, 2, 3
+    assert row["speedup_repeats"] == [3.0, 2.0, 3.0]
+    assert row["efficiency_paired"] == pytest.approx(2.0)
+    assert row["bound"] == pytest.approx(3 / 1.6) and row["bound_median"] == pytest.approx(3 / 2.3)
+    assert spec_row(1, SpecConfig(mode="chain", gamma=4), timed, plain, pooled, {})["efficiency_paired"] is None
