@@ -372,13 +372,15 @@ def save_summary(out_dir, summary: dict) -> dict:
 
 
 def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
-                chain_gamma: int = 4, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
+                chain_gamma: int | None = None, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
                 prompts_per_batch: int = 3, temperature: float = 0.0, repeats: int = 5, log=print) -> dict:
     """Plain, chain, tree and adaptive (chain under the controller) decoding at each batch size,
     timed in turns on the same prompts, with the bound's parts measured on the engine's own
-    steps (MEASUREMENT) and where each step's time goes (`profile` of every row)."""
+    steps (MEASUREMENT) and where each step's time goes (`profile` of every row). The chain
+    length defaults to the preset's (`RunPreset.cotrain.spec`)."""
     from rollout.speculative import SpecConfig
 
+    chain_gamma = chain_gamma or get_preset(preset_name).cotrain.spec.gamma
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     modes = [SpecConfig(mode="chain", gamma=chain_gamma),
              SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)]
@@ -417,11 +419,14 @@ def model_summary(policy, draft) -> dict:
 
 
 def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
-                  chain_gamma: int = 4, prompts_per_batch: int = 3, temperature: float = 0.0, log=print) -> dict:
+                  chain_gamma: int | None = None, prompts_per_batch: int = 3, temperature: float = 0.0,
+                  log=print) -> dict:
     """`specrl bench profile`: where a plain and a chain-speculative step spend their time
-    (rollout.profile phases), one warm-up and one profiled run per engine and batch size."""
+    (rollout.profile phases), one warm-up and one profiled run per engine and batch size; chains
+    of the preset's length unless given."""
     from rollout.speculative import SpecConfig, Speculator
 
+    chain_gamma = chain_gamma or get_preset(preset_name).cotrain.spec.gamma
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     scfg = SpecConfig(mode="chain", gamma=chain_gamma)
     rows = []

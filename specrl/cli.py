@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(s)
     s.add_argument("--batches", default="1,4,16")
     s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--gamma", type=int, default=4, help="chain length of the chain rows (the controller may use 1..gamma)")
+    s.add_argument("--gamma", type=int, default=None,
+                   help="chain length of the chain rows, the controller using 1..gamma (default: the preset's "
+                        "chain length, 4 for quick and 6 for speed; 3 for --engine vllm)")
     s.add_argument("--repeats", type=int, default=None, help="timed calls per arm and batch, after a warm-up (default: "
                                                             "5 embedded, 3 vllm); the best is reported, the bound's "
                                                             "parts pool all of them")
@@ -166,14 +168,14 @@ def run(args: argparse.Namespace) -> dict:
         from rollout.speculative import MAX_SPEC_DEPTH
         from specrl.bench import bench_speed
 
-        if not 0 < args.gamma <= MAX_SPEC_DEPTH:
+        if args.gamma is not None and not 0 < args.gamma <= MAX_SPEC_DEPTH:
             raise ValueError(f"--gamma must be in [1, {MAX_SPEC_DEPTH}], got {args.gamma}")
         if args.repeats is not None and not 0 < args.repeats <= 100:
             raise ValueError(f"--repeats must be in [1, 100], got {args.repeats}")
         if not 0 < args.prompts_per_batch <= 64:
             raise ValueError(f"--prompts-per-batch must be in [1, 64], got {args.prompts_per_batch}")
-        repeats = {} if args.repeats is None else {"repeats": args.repeats}  # else each engine's default
-        repeats["prompts_per_batch"] = args.prompts_per_batch
+        # unset --repeats / --gamma: each engine's default (the embedded one takes the preset's chain length)
+        options = {"prompts_per_batch": args.prompts_per_batch, **({} if args.repeats is None else {"repeats": args.repeats})}
         if args.engine == "vllm":
             from specrl.bench_vllm import bench_speed_vllm
 
@@ -181,13 +183,13 @@ def run(args: argparse.Namespace) -> dict:
                 raise ValueError("--engine vllm benchmarks greedy decoding only (its rows check token identity, "
                                  "which sampled speculation on vLLM keeps in law only); drop --temperature")
             return bench_speed_vllm(args.task, args.preset, args.out, args.batch_list, seed=args.seed,
-                                    cache_dir=args.cache_dir, gamma=args.gamma, online_draft_dir=args.online_draft,
-                                    **repeats)
+                                    cache_dir=args.cache_dir, online_draft_dir=args.online_draft,
+                                    **({} if args.gamma is None else {"gamma": args.gamma}), **options)
         if args.online_draft is not None:
             raise ValueError("--online-draft needs --engine vllm")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                           chain_gamma=args.gamma, **repeats)
+                           chain_gamma=args.gamma, **options)
     if args.command == "bench" and args.bench == "profile":
         from specrl.bench import bench_profile
 

@@ -127,10 +127,14 @@ RL_PRESETS: dict[str, RunPreset] = {
     # 2400 steps (about 4 minutes, cached): with the default 300 its greedy accept length at chains
     # of 4 was 3.22 (alpha 0.55), with 1200 steps 3.62, with 2400 steps 3.87; 3000 steps on 2048
     # rollouts gave no more (3.74), so the draft's training, not its data, was what held it back.
+    # Its chains are 6 long: a draft step costs 7-8% of a target step here, so a longer chain pays
+    # (`specrl bench speed --preset speed`, greedy, at batch 1 / 4 / 16 on 2026-11-24: chains of 4
+    # x1.83 / x1.76 / x1.96, of 5 x2.04 / x1.86 / x2.04, of 6 x2.07 / x2.01 / x2.05; README).
     "speed": RunPreset(model="speed", sft=SFTConfig(steps=300, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=60, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
-                       draft=DraftTrainConfig(steps=2400, lr=2e-3)),
+                       draft=DraftTrainConfig(steps=2400, lr=2e-3),
+                       cotrain=CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6))),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
                       max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64,
