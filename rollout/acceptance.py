@@ -115,15 +115,17 @@ def _max_depth(parents: Long, valid: torch.Tensor) -> int:
     return int(node_depths(parents).masked_fill(~valid, 0).max())
 
 
-def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, target_next: Long):
+def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, target_next: Long,
+                        max_depth: int | None = None):
     """Follow, from the root, the child whose token equals the target's own token after the
     current node, target_next[b, node] (first such child in index order); stop when there is
     none and emit it. The target's token is computed for every node up front (a few batched
-    ops), so the walk itself is table lookups.
+    ops), so the walk itself is table lookups. `max_depth`: a bound on the valid nodes' depth
+    known to the caller (the drafted depth), which spares reading it from the device.
     Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,))."""
     B, N = parents.shape
     dev = parents.device
-    D = _max_depth(parents, valid)
+    D = _max_depth(parents, valid) if max_depth is None else max_depth
     idx = torch.arange(N, device=dev)
     rows = torch.arange(B, device=dev)
     cur = torch.zeros(B, dtype=torch.long, device=dev)  # (B,)
@@ -140,20 +142,22 @@ def _walk_deterministic(parents: Long, tokens: Long, valid: torch.Tensor, target
     return path, (path >= 0).sum(1) - 1, target_next[rows, cur]
 
 
-def verify_tree_greedy(parents: Long, tokens: Long, valid: torch.Tensor, target_logits: torch.Tensor):
+def verify_tree_greedy(parents: Long, tokens: Long, valid: torch.Tensor, target_logits: torch.Tensor,
+                       max_depth: int | None = None):
     """Greedy tree walk: at node n descend to the child whose token is argmax target_logits[n].
-    Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,))."""
-    return _walk_deterministic(parents, tokens, valid, target_logits.argmax(-1))
+    Returns (path (B, D+1) padded with -1, n_accepted (B,), next_token (B,)); D = max_depth
+    where given, else the deepest valid node."""
+    return _walk_deterministic(parents, tokens, valid, target_logits.argmax(-1), max_depth)
 
 
 def verify_tree_coupled(parents: Long, tokens: Long, valid: torch.Tensor, target_logp: torch.Tensor,
-                        noise: torch.Tensor):
+                        noise: torch.Tensor, max_depth: int | None = None):
     """Coupled tree walk: at a node of depth d the target's sample is argmax(target_logp + noise[:, d])
     (noise (B, D+1, V) from `coupled_noise` at the step of the root's children); descend to the
     child carrying that token, else emit it. Same returns as the greedy walk."""
     depth = node_depths(parents).clamp(max=noise.shape[1] - 1)  # (B, N); padding nodes are never reached
     node_noise = noise.gather(1, depth[..., None].expand(-1, -1, noise.shape[-1]))  # (B, N, V)
-    return _walk_deterministic(parents, tokens, valid, gumbel_argmax(target_logp, node_noise))
+    return _walk_deterministic(parents, tokens, valid, gumbel_argmax(target_logp, node_noise), max_depth)
 
 
 def sample_children_without_replacement(draft_logp: torch.Tensor, k: int,

@@ -42,7 +42,7 @@ class StepRecord:
     fused_prefill: bool  # newly admitted prompts rode along in this step's forward
     phases: dict = field(default_factory=dict)  # phase -> seconds
     total_s: float = 0.0
-    call: int = 0  # which generate() call of a profiler carried through several (`next_call`)
+    call: int = 0  # which timed call of a benchmark the step belongs to (StepProfiler.call when it began)
 
 
 class StepProfiler:

@@ -458,7 +458,7 @@ class _Sampling:
     """The sampling rule of one speculative step, applied identically to draft and target."""
 
     def __init__(self, params: SamplingParams, engine, states, depth: int):
-        self.params = params
+        self.params, self.depth = params, depth
         self.generator = engine.generator
         if params.greedy:
             self.mode = "greedy"
@@ -505,9 +505,10 @@ class _Sampling:
 
     def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logits):
         """-> (accepted path (B, D+1), accepted drafts (B,), the target's next token (B,))."""
-        if self.mode == "greedy":
-            return acc.verify_tree_greedy(parents, tokens, verified, target_logits)
+        if self.mode == "greedy":  # the drafted depth bounds the path: no read of the tree's depth
+            return acc.verify_tree_greedy(parents, tokens, verified, target_logits, self.depth)
         if self.mode == "coupled":
-            return acc.verify_tree_coupled(parents, tokens, verified, self.process(target_logits), self.noise)
+            return acc.verify_tree_coupled(parents, tokens, verified, self.process(target_logits), self.noise,
+                                           self.depth)
         return acc.verify_tree_rejection(parents, tokens, valid, draft_logp, self.process(target_logits),
                                          self.generator, verified=verified)

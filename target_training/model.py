@@ -249,8 +249,12 @@ class MoE(nn.Module):
     # last-bit difference that a long SFT or RL run amplifies), hence training never switches.
     SORTED_DISPATCH_MAX_TOKENS = 512
 
+    @staticmethod
+    def _swiglu(h: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+
     def _expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.silu(F.linear(h, self.w_gate[e])) * F.linear(h, self.w_up[e]), self.w_down[e])
+        return self._swiglu(h, self.w_gate[e], self.w_up[e], self.w_down[e])
 
     def _experts_masked(self, flat, topi, topw, counts) -> torch.Tensor:
         """One boolean match per expert: a host sync per expert, cheap at large token counts."""
@@ -268,10 +272,9 @@ class MoE(nn.Module):
         h = flat[tok]  # (N*k, H)
         weights = zip(self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0))  # 3 ops, not 3 per expert
         ys, start = [], 0
-        for n, (w_gate, w_up, w_down) in zip(counts.tolist(), weights):
+        for n, expert_weights in zip(counts.tolist(), weights):
             if n:
-                x = h[start:start + n]
-                ys.append(F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down))  # = _expert(e, x)
+                ys.append(self._swiglu(h[start:start + n], *expert_weights))
                 start += n
         y = torch.cat(ys) * topw[tok, slot, None]  # (N*k, H)
         # index_add_ on CPU adds in index order, so each token sums its experts in ascending order

@@ -160,6 +160,10 @@ def test_tree_greedy_exact():
     path, n, nxt = acc.verify_tree_greedy(parents, tokens, valid, logits)
     assert path.tolist() == [[0, 2, 5], [0, 1, 4], [0, 2, -1]]
     assert n.tolist() == [2, 2, 1] and nxt.tolist() == [4, 1, 0]
+    # a depth bound from the caller (the drafted depth) only pads the path
+    path, n, nxt = acc.verify_tree_greedy(parents, tokens, valid, logits, max_depth=4)
+    assert path.tolist() == [[0, 2, 5, -1, -1], [0, 1, 4, -1, -1], [0, 2, -1, -1, -1]]
+    assert n.tolist() == [2, 2, 1] and nxt.tolist() == [4, 1, 0]
 
 
 # ----------------------------------------------------------------------------- chain rejection
