@@ -107,7 +107,9 @@ class KVCache:
         key_len: how many keys the block reads, at least every row's length + T; callers that
         know the lengths on the host pass it (an upper bound is fine: keys past a row's block
         are masked), which spares reading the lengths back from the device (a sync on an
-        accelerator). Default: read them."""
+        accelerator). Such a caller also vouches that a W > T window fits (every row holds at
+        least W - T cached entries), which is otherwise checked by reading the lengths.
+        Default: read them."""
         slots = self.all_slots()[: attn_mask.shape[0] if attn_mask is not None else self.batch_size] if slots is None else slots
         B = slots.shape[0]
         device = self.lengths.device
@@ -122,7 +124,7 @@ class KVCache:
             mask = keys[None, None, :] <= write_pos[:, :, None]  # (B, T, S)
             return CacheBlock(self, slots, start, write_pos, end, mask[:, None])
         W = attn_mask.shape[-1]
-        if W < T or (W > T and bool((start < W - T).any())):  # W == T fits always (no sync)
+        if W < T or (W > T and key_len is None and bool((start < W - T).any())):  # W == T fits always
             raise ValueError(f"attn_mask window of {W} keys does not fit a block of {T} after the cached entries")
         win0 = start + T - W  # (B,) first key under the mask
         prefix = keys[None, None, :] < win0[:, None, None]  # (B, 1, S)

@@ -92,6 +92,14 @@ def test_overflow_and_bad_mask_errors(tiny_model, tiny_cfg):
         tiny_model(torch.zeros(1, 9, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="attn_mask"):
         tiny_model(torch.zeros(1, 4, dtype=torch.long), attn_mask=torch.ones(1, 3, 3, dtype=torch.bool))
+    # a window over more keys than the slot has cached before the block: refused, unless the
+    # caller passes the key length from the host and so vouches for the window (no read)
+    window = torch.ones(1, 2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match="window of 5 keys does not fit"):
+        cache.begin_block(None, 2, window)
+    cache.lengths[0] = 3
+    assert cache.begin_block(None, 2, window).mask.shape == (1, 1, 2, 5)
+    assert cache.begin_block(None, 2, window, key_len=5).mask.shape == (1, 1, 2, 5)
 
 
 @pytest.mark.parametrize("n_tokens", [1, 5, 8, 33, 130, 600])
