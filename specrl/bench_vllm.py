@@ -23,6 +23,7 @@ from __future__ import annotations
 from rollout.protocol import same_tokens
 from specrl.bench import (MEASUREMENT, format_row, format_table, model_summary, save_summary, spec_row, speed_setup,
                           timed_generate_interleaved)
+from specrl.presets import get_preset
 
 VLLM_MEASUREMENT = {
     **{k: MEASUREMENT[k] for k in ("accept_length", "alpha", "c", "verify_cost", "bound", "efficiency",
@@ -97,12 +98,13 @@ def measure_vllm_batch(arms: dict, prompts, params, batch: int, gamma: int, repe
 
 
 def bench_speed_vllm(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0,
-                     cache_dir=None, gamma: int = 3, prompts_per_batch: int = 3, repeats: int = 3,
+                     cache_dir=None, gamma: int | None = None, prompts_per_batch: int = 3, repeats: int = 3,
                      online_draft_dir=None, log=print) -> dict:
     """The vLLM speed table (module docstring), saved as DIR/summary.json."""
     from rollout.vllm_engine import require_vllm
 
     require_vllm()  # one line naming the fix, before the policy is built
+    gamma = gamma or get_preset(preset_name).cotrain.spec.gamma  # the preset's chain length by default
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, 0.0)
     online = None
     if online_draft_dir is not None:

@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--gamma", type=int, default=None,
                    help="chain length of the chain rows, the controller using 1..gamma (default: the preset's "
-                        "chain length, 4 for quick and 6 for speed; 3 for --engine vllm)")
+                        "chain length, 4 for quick and 6 for speed)")
     s.add_argument("--repeats", type=int, default=None, help="timed calls per arm and batch, after a warm-up (default: "
                                                             "5 embedded, 3 vllm); the best is reported, the bound's "
                                                             "parts pool all of them")
