@@ -38,6 +38,13 @@ def cached_len(states) -> int:
     return max(s.n_cached for s in states)
 
 
+def hand_back(*columns: torch.Tensor) -> list[list[float]]:
+    """A step's results, columns (B,) or (B, k) side by side, read to the host in one transfer:
+    the step's hand-back, a sync on an accelerator. float64 holds every token id and count
+    exactly (integers below 2**53) next to the log-probs."""
+    return torch.cat([c.reshape(c.shape[0], -1).double() for c in columns], 1).tolist()
+
+
 MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
 
 
@@ -249,13 +256,13 @@ class EmbeddedEngine:
         lens = torch.tensor([len(s.prompt) for _, s in admit], device=self.device)
         return Prefill(slot_ids, ids, lens, [s for _, s in admit], [i for i, _ in admit])
 
-    def _can_fuse(self, cache: KVCache, active: list[SlotState], prefill: "Prefill", slack: int) -> bool:
-        """Whether the prompts can ride along the step's forward: the step's rows are padded to
-        the longest prompt, so each must have that much room left in its slot (lengths from
-        the host, `cached_len`)."""
-        if not active:
+    def _can_fuse(self, cache: KVCache, states: list[SlotState], prefill: "Prefill", slack: int) -> bool:
+        """Whether the prompts can ride along the forward of the step decoding `states`: the
+        step's rows are padded to the longest prompt, so each must have that much room left in
+        its slot (lengths from the host, `cached_len`)."""
+        if not states:
             return False
-        return cache.max_len - cached_len(active) >= max(prefill.ids.shape[1], slack, 1)
+        return cache.max_len - cached_len(states) >= max(prefill.ids.shape[1], slack, 1)
 
     def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
         cache.reset(prefill.slots)
@@ -347,9 +354,7 @@ class EmbeddedEngine:
             tok = sample(logp, mode=self.config.sampling_mode, generator=self.generator, seed=params.seed,
                          request_ids=rids, steps=steps)
         lp = policy_logprobs(logits, params.temperature).gather(-1, tok[:, None])[:, 0]
-        # one transfer hands tokens and log-probs back: float64 holds the token ids exactly
-        toks, lps = torch.stack([tok.double(), lp.double()]).tolist()
-        for s, t, l in zip(states, toks, lps):
+        for s, (t, l) in zip(states, hand_back(tok, lp)):
             self.append_token(s, int(t), l, params)
 
     @staticmethod

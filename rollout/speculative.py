@@ -21,7 +21,7 @@ import torch
 
 from draft_models.checkpoint import check_draft_against_target, copy_draft_weights
 from rollout import acceptance as acc
-from rollout.engine import cached_len
+from rollout.engine import cached_len, hand_back
 from rollout.profile import tick
 from rollout.protocol import SamplingParams
 from rollout.sampling import coupled_noise, policy_logprobs, process_logits
@@ -233,9 +233,7 @@ class SpecSession:
         path_logits = along_path(v.out.logits)  # (B, W, V): the node before each token
         emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
         tick(self._prof, "cache_features")
-        # the hand-back, one transfer: float64 holds the token ids and counts exactly
-        packed = torch.cat([emitted, n_keep[:, None], v.drafted_depths[:, None], bad.long().expand(B, 1)], 1)
-        rows = torch.cat([packed.double(), emitted_lp.double()], 1).tolist()  # (B, 2W + 3)
+        rows = hand_back(emitted, n_keep, v.drafted_depths, bad.expand(B), emitted_lp)  # (B, 2W + 3)
         if rows[0][W + 2]:
             raise FloatingPointError("draft produced NaN or infinite logits")
         emitted_total = drafted_total = 0

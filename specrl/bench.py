@@ -200,6 +200,17 @@ def efficiency_factors(row: dict, plain_profile: dict) -> dict | None:
             "mean_over_quartile": forwards / row["bound"]}
 
 
+def speedup_bound(accept_length: float, verify_cost: float, c: float, gamma: int) -> float:
+    """DESIGN section 4: accept_length / (verify_cost + gamma * c), the speed-up if the loop
+    around the forwards cost nothing (MEASUREMENT["bound"])."""
+    return accept_length / (verify_cost + gamma * c)
+
+
+def preset_chain_length(preset_name: str, gamma: int | None = None) -> int:
+    """`gamma` where given, else the preset's chain length (`RunPreset.cotrain.spec`)."""
+    return gamma or get_preset(preset_name).cotrain.spec.gamma
+
+
 def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, profile: dict,
              per_repeat_costs: list[dict] | None = None) -> dict:
     """One speculative row: speed against plain, acceptance, the bound from measured costs
@@ -212,13 +223,14 @@ def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, 
     paired = None
     if per_repeat_costs and all(c["c_median"] is not None for c in per_repeat_costs):
         paired = statistics.median(
-            r * (c["verify_cost_median"] + spec_cfg.gamma * c["c_median"]) / agg["accept_length"]
+            r / speedup_bound(agg["accept_length"], c["verify_cost_median"], c["c_median"], spec_cfg.gamma)
             for r, c in zip(ratios, per_repeat_costs))
     bounds = {}
     for suffix, speedup in speedups.items():
         bound = eff = None
         if costs["c"] is not None:
-            bound = agg["accept_length"] / (costs[f"verify_cost{suffix}"] + spec_cfg.gamma * costs[f"c{suffix}"])
+            bound = speedup_bound(agg["accept_length"], costs[f"verify_cost{suffix}"], costs[f"c{suffix}"],
+                                  spec_cfg.gamma)
             eff = speedup / bound
         bounds.update({f"bound{suffix}": bound, f"efficiency{suffix}": eff})
     speedup = speedups[""]
@@ -380,7 +392,7 @@ def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *
     length defaults to the preset's (`RunPreset.cotrain.spec`)."""
     from rollout.speculative import SpecConfig
 
-    chain_gamma = chain_gamma or get_preset(preset_name).cotrain.spec.gamma
+    chain_gamma = preset_chain_length(preset_name, chain_gamma)
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     modes = [SpecConfig(mode="chain", gamma=chain_gamma),
              SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)]
@@ -426,7 +438,7 @@ def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int],
     of the preset's length unless given."""
     from rollout.speculative import SpecConfig, Speculator
 
-    chain_gamma = chain_gamma or get_preset(preset_name).cotrain.spec.gamma
+    chain_gamma = preset_chain_length(preset_name, chain_gamma)
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     scfg = SpecConfig(mode="chain", gamma=chain_gamma)
     rows = []

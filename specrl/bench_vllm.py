@@ -21,9 +21,8 @@ cost of a verify step and of a draft step relative to a plain step.
 from __future__ import annotations
 
 from rollout.protocol import same_tokens
-from specrl.bench import (MEASUREMENT, format_row, format_table, model_summary, save_summary, spec_row, speed_setup,
-                          timed_generate_interleaved)
-from specrl.presets import get_preset
+from specrl.bench import (MEASUREMENT, format_row, format_table, model_summary, preset_chain_length, save_summary,
+                          spec_row, speed_setup, timed_generate_interleaved)
 
 VLLM_MEASUREMENT = {
     **{k: MEASUREMENT[k] for k in ("accept_length", "alpha", "c", "verify_cost", "bound", "efficiency",
@@ -104,7 +103,7 @@ def bench_speed_vllm(task_name: str, preset_name: str, out_dir, batches: list[in
     from rollout.vllm_engine import require_vllm
 
     require_vllm()  # one line naming the fix, before the policy is built
-    gamma = gamma or get_preset(preset_name).cotrain.spec.gamma  # the preset's chain length by default
+    gamma = preset_chain_length(preset_name, gamma)
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, 0.0)
     online = None
     if online_draft_dir is not None:

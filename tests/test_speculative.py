@@ -1,5 +1,7 @@
 """Losslessness of speculative decoding in the engine: exact for greedy and coupled sampling,
 statistical (with a power check) for rejection sampling, and log-probs equal to plain decoding."""
+import inspect
+
 import pytest
 import torch
 
@@ -284,12 +286,13 @@ def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_m
             return out
         monkeypatch.setattr(*name, wrapped)
 
-    def fused(*args, **kwargs):
-        prefill = args[-1] if len(args) > 7 else kwargs.get("prefill")
-        return "fused" if prefill is not None else "alone"
+    def fused(fn):  # "fused" where the step's `prefill` argument carries newly admitted prompts
+        sig = inspect.signature(fn)
+        return lambda *a, **k: "fused" if sig.bind(*a, **k).arguments.get("prefill") is not None else "alone"
 
-    counting((EmbeddedEngine, "_decode_step"), EmbeddedEngine._decode_step, lambda *a, **k: "plain " + fused(*a, **k))
-    counting((SpecSession, "step"), SpecSession.step, lambda *a, **k: "spec " + fused(*a, **k))
+    plain_kind, spec_kind = fused(EmbeddedEngine._decode_step), fused(SpecSession.step)
+    counting((EmbeddedEngine, "_decode_step"), EmbeddedEngine._decode_step, lambda *a, **k: "plain " + plain_kind(*a, **k))
+    counting((SpecSession, "step"), SpecSession.step, lambda *a, **k: "spec " + spec_kind(*a, **k))
     counting((EmbeddedEngine, "_run_prefill"), EmbeddedEngine._run_prefill, lambda *a, **k: "prefill alone")
     counting((EmbeddedEngine, "_plan_prefill"), EmbeddedEngine._plan_prefill, lambda *a, **k: "plan")
     counting((EmbeddedEngine, "_can_fuse"), EmbeddedEngine._can_fuse, lambda *a, **k: "plan")
