@@ -76,10 +76,15 @@ DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_so
                               scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
                                                         draft_steps=DraftBudgetConfig(rule="acceptance", base_steps=2,
                                                                                       deficit_gain=80.0)))
+# A scheduler whose count of updates alone decides: the time budget is left wide (min_budget_s), so
+# a busy spell of the machine cannot cut an update and two runs with one seed train alike.
+COUNTED_SCHEDULER = SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",))
 # The same with one update of 12 sequences per RL step at lr 1e-3, a count that never varies: the CI-sized drift
-# runs (reproducible) and `specrl bench overlap` (the cost of one update, in both scheduler modes).
+# runs (reproducible) and `specrl bench overlap` (the cost of one update, in both scheduler modes). Before
+# it took COUNTED_SCHEDULER its budget was the RL step's own time, and a clean-clone CI run, with the lane
+# installs beside it, trained a different number of updates in two same-seed drift runs.
 DRIFT_COTRAIN_FIXED = dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, online=OnlineDraftConfig(lr=1e-3, batch_size=12),
-                                          scheduler=SchedulerConfig(budget_fraction=1.0, windows=("between",)))
+                                          scheduler=COUNTED_SCHEDULER)
 
 def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     """Co-training that makes exactly `updates_per_step` draft updates per RL step (once the buffer
@@ -90,7 +95,7 @@ def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     the count alone decides; the drift experiment measures what such updates cost (about 5% per
     update of the RL step of the `quick` model on the 2-core CPU)."""
     return CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), max_draft_steps=updates_per_step,
-                         scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",)))
+                         scheduler=COUNTED_SCHEDULER)
 
 
 # Draft updates per RL step with --spec online: ci 2, quick 1, full 1, drift 0-6 (DRIFT_COTRAIN).
