@@ -13,18 +13,16 @@ the host (`key_len`), and the compiled draft still loses on CPU (README, "Measur
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import time
-from pathlib import Path
 
 import torch
 
+from experiments import batch_sweep_main
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens
 from rollout.speculative import SpecConfig, Speculator
-from specrl.bench import machine_info, speed_setup, timed_generate_interleaved
+from specrl.bench import save_summary, speed_setup, timed_generate_interleaved
 
 
 def run(out_dir, preset: str = "quick", batches=(1, 4, 16), gamma: int = 4, repeats: int = 5,
@@ -53,29 +51,12 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), gamma: int = 4, repe
         log(f"batch {b:>3}: " + "  ".join(f"{r['arm']} x{r['speedup']:.2f}" for r in rows if r["batch"] == b)
             + f"  (compiled warm-up {warm_s:.1f}s)")
     summary = {"experiment": "compile_draft", "preset": preset, "gamma": gamma, "repeats": repeats,
-               "rows": rows, "machine": machine_info()}
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    return summary
+               "rows": rows}
+    return save_summary(out_dir, summary)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--preset", default="quick")
-    p.add_argument("--batches", default="1,4,16")
-    p.add_argument("--cache-dir", default=None)
-    args = p.parse_args(argv)
-    from rollout.engine import MAX_BATCH
-    from specrl.cli import _positive_ints
-
-    try:  # the CLI's own check: one line naming the flag, exit code 2
-        batches = tuple(_positive_ints(args.batches, "--batches", MAX_BATCH))
-    except ValueError as e:
-        p.error(str(e))
-    run(args.out, args.preset, batches, cache_dir=args.cache_dir)
-    return 0
+    return batch_sweep_main(__doc__, run, argv)
 
 
 if __name__ == "__main__":

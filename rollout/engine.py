@@ -26,7 +26,7 @@ import torch
 from rollout.profile import StepProfiler, tick
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
-from target_training.model import KVCache, ModelOutput, MoETransformer
+from target_training.model import MOE_DISPATCHES, KVCache, ModelOutput, MoETransformer
 
 
 class PromptTooLongError(ValueError):
@@ -58,6 +58,11 @@ class EngineConfig:
     # step carrying its prompt's prefill and decoding one sequence fewer. With speculation that
     # decode step is worth tau tokens, and short answers admit often (see README, Measured figures).
     prefill_ahead: int = 1
+    # "exact": every forward bitwise equal to the training dispatch; "dense": decode and verify
+    # blocks of up to MoE.DENSE_DISPATCH_MAX_TOKENS tokens run every expert on every token, with
+    # no host read inside the step and a faster MoE at small blocks, equal to "exact" only to
+    # rounding (target_training.model.MoE). Plain and speculative decoding use the same dispatch.
+    moe_dispatch: str = "exact"
 
     def __post_init__(self) -> None:
         if not 0 < self.max_batch <= MAX_BATCH:
@@ -67,6 +72,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_ahead must be an integer in [0, max_batch], got {self.prefill_ahead!r}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"EngineConfig.max_len must be positive, got {self.max_len}")
+        if self.moe_dispatch not in MOE_DISPATCHES:
+            raise ValueError(f"EngineConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         if self.sampling_mode not in ("coupled", "rng"):
             raise ValueError(f"EngineConfig.sampling_mode must be 'coupled' or 'rng', got {self.sampling_mode!r}")
 
@@ -267,7 +274,7 @@ class EmbeddedEngine:
     def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
         cache.reset(prefill.slots)
         out = self.model(prefill.ids, cache=cache, slots=prefill.slots, tap_layers=self.tap_layers(capture, spec),
-                         key_len=prefill.ids.shape[1])  # the slots were just reset
+                         key_len=prefill.ids.shape[1], moe_dispatch=self.config.moe_dispatch)  # slots just reset
         self._finish_prefill(cache, prefill, out, params, capture, spec)
 
     def _finish_prefill(self, cache: KVCache, prefill: "Prefill", out, params: SamplingParams, capture: bool, spec,
@@ -302,7 +309,7 @@ class EmbeddedEngine:
         taps = self.tap_layers(capture, spec)
         if prefill is None:
             return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask, tap_layers=taps,
-                              key_len=key_len)
+                              key_len=key_len, moe_dispatch=self.config.moe_dispatch)
         B, T = ids.shape
         n_new, T_new = prefill.ids.shape
         W = max(T, T_new)
@@ -318,7 +325,8 @@ class EmbeddedEngine:
             mask[:B, :T, :T] = attn_mask
         cache.reset(prefill.slots)
         out = self.model(all_ids, cache=cache, slots=torch.cat([slots, prefill.slots]), positions=all_pos,
-                         attn_mask=mask, tap_layers=taps, key_len=None if key_len is None else key_len - T + W)
+                         attn_mask=mask, tap_layers=taps, key_len=None if key_len is None else key_len - T + W,
+                         moe_dispatch=self.config.moe_dispatch)
         cache.rollback(slots, start + T, check=False)  # the step's rows keep their T tokens
         self._finish_prefill(cache, prefill, out, params, capture, spec, rows=slice(B, None))
         return ModelOutput(logits=out.logits[:B, :T], hidden=out.hidden[:B, :T],

@@ -23,6 +23,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from target_training.model import MOE_DISPATCHES
+
     parser = argparse.ArgumentParser(prog="specrl", description="online speculative-decoding co-training for LLM RL")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prompts-per-batch", type=int, default=3, metavar="N",
                    help="requests per batch slot: batch B decodes B * N prompts, so the engine refills each "
                         "slot N - 1 times and ends with a partial-batch tail (default 3)")
+    s.add_argument("--moe-dispatch", default="exact", choices=list(MOE_DISPATCHES),
+                   help="(embedded) how the target's MoE runs decode and verify blocks: exact (bitwise the "
+                        "training dispatch) or dense (every expert on every token at small blocks: no host read, "
+                        "equal to exact to rounding); default exact")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
                         "vs the embedded engine (greedy)")
@@ -68,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(f)
     f.add_argument("--batches", default="1,4,16")
     f.add_argument("--temperature", type=float, default=0.0)
+    f.add_argument("--moe-dispatch", default="exact", choices=list(MOE_DISPATCHES), help="as for bench speed")
     o = bsub.add_parser("overlap", help="RL step time with no draft training, sequential and overlapped co-training")
     _add_common(o)
     o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
@@ -179,6 +186,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.engine == "vllm":
             from specrl.bench_vllm import bench_speed_vllm
 
+            if args.moe_dispatch != "exact":
+                raise ValueError("--moe-dispatch is an option of the embedded engine; drop it with --engine vllm")
             if args.temperature != 0.0:
                 raise ValueError("--engine vllm benchmarks greedy decoding only (its rows check token identity, "
                                  "which sampled speculation on vLLM keeps in law only); drop --temperature")
@@ -189,12 +198,13 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError("--online-draft needs --engine vllm")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                           chain_gamma=args.gamma, **options)
+                           chain_gamma=args.gamma, moe_dispatch=args.moe_dispatch, **options)
     if args.command == "bench" and args.bench == "profile":
         from specrl.bench import bench_profile
 
         return bench_profile(args.task, args.preset, args.out, args.batch_list,
-                             seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature)
+                             seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
+                             moe_dispatch=args.moe_dispatch)
     if args.command == "bench" and args.bench == "overlap":
         from specrl.bench_overlap import bench_overlap, bench_overlap_phases
 

@@ -172,3 +172,19 @@ def test_compiled_draft_measurement(sft_policy, tmp_path):
     assert all(r["identical_to_plain"] and r["tokens_per_s"] > 0 for r in rows.values())
     assert rows["compiled"]["engine_steps"] > 0 and rows["compiled"]["compile_warmup_s"] > 0
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
+
+
+@pytest.mark.slow
+def test_moe_dispatch_measurement(sft_policy, tmp_path):
+    """experiments.moe_dispatch: plain and chain decoding under both MoE dispatches, every arm
+    with exact plain decoding's tokens, the dense/exact ratios taken per repeat and saved."""
+    from experiments.moe_dispatch import run
+    summary = run(tmp_path, preset="ci", batches=(2,), repeats=2, prompts_per_batch=2, cache_dir=sft_policy[3],
+                  log=lambda *a: None)
+    rows = {r["mode"]: r for r in summary["rows"]}
+    assert set(rows) == {"plain", "chain"}
+    for r in rows.values():
+        assert r["identical_to_plain_exact"] and r["tokens_per_s_exact"] > 0 and r["tokens_per_s_dense"] > 0
+        assert len(r["dense_over_exact_repeats"]) == 2
+    assert set(rows["chain"]["chain_over_plain_median"]) == {"exact", "dense"}
+    assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]

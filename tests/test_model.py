@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from target_training.config import ConfigError, MoEConfig, model_config_for
+from rollout.engine import EngineConfig
 from target_training.model import KVCache
 
 
@@ -123,6 +124,38 @@ def test_sorted_and_masked_expert_dispatch_are_bitwise_equal(n_tokens, monkeypat
     monkeypatch.setattr(MoE, "SORTED_DISPATCH_MAX_TOKENS", 10**9)
     monkeypatch.setattr(MoE, "_experts_sorted", lambda *a: pytest.fail("sorted dispatch under autograd"))
     assert torch.equal(moe(x)[0], masked_out)
+
+
+@pytest.mark.parametrize("n_tokens", [1, 5, 20, 32, 33])
+def test_dense_expert_dispatch_matches_the_exact_one_to_rounding(n_tokens):
+    """moe_dispatch="dense": up to DENSE_DISPATCH_MAX_TOKENS no-grad tokens run every expert on
+    every token (no host read); the output equals the exact dispatch's to rounding (not bitwise),
+    the router counts exactly; beyond the size, and under autograd, the exact dispatch runs."""
+    from target_training.model import MoE
+
+    torch.manual_seed(n_tokens)
+    cfg = model_config_for("quick", 96)
+    moe = MoE(cfg)
+    x = torch.randn(1, n_tokens, cfg.hidden_size)
+    with torch.no_grad():
+        exact, (_, exact_counts) = moe(x)
+        dense, (aux, dense_counts) = moe(x, "dense")
+    assert torch.equal(exact_counts, dense_counts) and aux is None
+    if n_tokens <= MoE.DENSE_DISPATCH_MAX_TOKENS:
+        assert torch.allclose(dense, exact, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(dense, exact)
+    with torch.enable_grad():
+        assert torch.equal(moe(x, "dense")[0], moe(x)[0])  # training never takes the dense dispatch
+
+
+def test_moe_dispatch_is_checked():
+    from target_training.model import MoETransformer
+
+    with pytest.raises(ValueError, match="moe_dispatch must be one of"):
+        MoETransformer(model_config_for("tiny", 32))(torch.zeros(1, 2, dtype=torch.long), moe_dispatch="grouped")
+    with pytest.raises(ValueError, match="EngineConfig.moe_dispatch must be one of"):
+        EngineConfig(moe_dispatch="fast")
 
 
 @pytest.mark.parametrize("head_dim", [8, 16, 32, 64])

@@ -25,9 +25,10 @@ def _prompts(tokenizer, task, n):
     return real + noise
 
 
-def _engine(policy, batch, draft=None, mode="chain", sampling="coupled"):
+def _engine(policy, batch, draft=None, mode="chain", sampling="coupled", moe_dispatch="exact"):
     spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
-    return EmbeddedEngine(policy, EngineConfig(max_batch=batch, sampling_mode=sampling), speculator=spec)
+    return EmbeddedEngine(policy, EngineConfig(max_batch=batch, sampling_mode=sampling, moe_dispatch=moe_dispatch),
+                          speculator=spec)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -60,6 +61,33 @@ def test_coupled_sampling_identical_to_plain(sft_policy, offline_draft, mode):
         assert a.features.shape == b.features.shape
         assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
     assert sum(t.spec.accepted for t in spec) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_dense_moe_dispatch_decodes_what_exact_decodes(sft_policy, offline_draft, temperature, monkeypatch):
+    """EngineConfig(moe_dispatch="dense") changes how small blocks compute the MoE, not what the
+    policy generates: plain, chain and tree decoding with it give the exact dispatch's plain
+    tokens, and log-probs within 1e-5 (the dispatches differ by rounding), greedy and coupled.
+    Batches 16 / 4 / 2 keep decode and verify blocks within the dense size, batch 8 chains mix
+    dense steps with exact ones (40-token verify blocks)."""
+    from target_training.model import MoE
+
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 60)
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    exact = _engine(policy, 16).generate(prompts, params)
+    dense_calls, dense = [], MoE._experts_dense
+    monkeypatch.setattr(MoE, "_experts_dense", lambda self, *a: dense_calls.append(a[0].shape[0]) or dense(self, *a))
+    for batch, mode in ((16, None), (4, "chain"), (8, "chain"), (2, "tree")):
+        dense_calls.clear()
+        draft = offline_draft if mode else None
+        trajs = _engine(policy, batch, draft, mode or "chain", moe_dispatch="dense").generate(prompts, params)
+        assert dense_calls and max(dense_calls) <= MoE.DENSE_DISPATCH_MAX_TOKENS, (batch, mode)
+        assert [t.token_ids for t in trajs] == [t.token_ids for t in exact], (batch, mode)
+        diff = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(trajs, exact))
+        assert diff <= 1e-5, (batch, mode, diff)
+        if mode:
+            assert sum(t.spec.accepted for t in trajs) > 0
 
 
 def _first_two_counts(policy, draft, mode, prompt, n, vocab, temperature):
@@ -229,13 +257,15 @@ class _DeviceReads:
         self.n, self.mode = 0, Mode()
 
 
+@pytest.mark.parametrize("dispatch", ["exact", "dense"])
 @pytest.mark.parametrize("mode, gamma", [("chain", 2), ("chain", 4), ("tree", 2), ("tree", 4)])
-def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, mode, gamma, monkeypatch):
+def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, mode, gamma, dispatch, monkeypatch):
     """The reads left in a speculative step without admissions, chain or tree: one per MoE layer
-    of the verify forward (the sorted dispatch's group sizes) and the hand-back of tokens, counts
-    and log-probs in one transfer. Every cache block's key length comes from the host (which
-    also vouches for a draft tree's windowed masks), and a tree's walk takes its depth bound from
-    the drafted depth. A new read fails here."""
+    of the verify forward (the exact dispatch's group sizes; none with the dense dispatch, here
+    on every block size) and the hand-back of tokens, counts and log-probs in one transfer.
+    Every cache block's key length comes from the host (which also vouches for a draft tree's
+    windowed masks), and a tree's walk takes its depth bound from the drafted depth. A new read
+    fails here."""
     from rollout.speculative import SpecSession
     from specrl.drafts import DraftTrainConfig, new_draft
     from target_training.model import MoE
@@ -255,19 +285,24 @@ def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, m
         return out
 
     monkeypatch.setattr(SpecSession, "step", counted)
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3), speculator=Speculator(draft, SpecConfig(mode, gamma)))
+    monkeypatch.setattr(MoE, "DENSE_DISPATCH_MAX_TOKENS", 10**6)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch),
+                            speculator=Speculator(draft, SpecConfig(mode, gamma)))
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2))
     assert not engine.draft_faults and len(counts) >= 5
-    assert set(counts) == {n_moe + 1}
+    assert set(counts) == {(n_moe if dispatch == "exact" else 0) + 1}
 
 
+@pytest.mark.parametrize("dispatch", ["exact", "dense"])
 @pytest.mark.parametrize("speculate", [False, True])
-def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_model, speculate, monkeypatch):
-    """Per engine step, the reads are one per MoE layer of its one forward plus one hand-back
-    per group of requests given tokens: a plain decode step n_moe + 1; a step that carries newly
-    admitted prompts (fused prefill) n_moe + 2, the prompts' first tokens being the second
-    hand-back; a prefill on its own n_moe + 1. Planning an admission (`_plan_prefill`,
-    `_can_fuse`) reads nothing: prompt and cache lengths are known on the host."""
+def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_model, speculate, dispatch,
+                                                                          monkeypatch):
+    """Per engine step, the reads are one per MoE layer of its one forward (none with the dense
+    dispatch, here on every block size) plus one hand-back per group of requests given tokens:
+    a plain decode step n_moe + 1; a step that carries newly admitted prompts (fused prefill)
+    n_moe + 2, the prompts' first tokens being the second hand-back; a prefill on its own
+    n_moe + 1. Planning an admission (`_plan_prefill`, `_can_fuse`) reads nothing: prompt and
+    cache lengths are known on the host."""
     from rollout.speculative import SpecSession
     from specrl.drafts import DraftTrainConfig, new_draft
     from target_training.model import MoE
@@ -300,10 +335,12 @@ def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_m
     if speculate:
         draft = new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
         spec = Speculator(draft, SpecConfig("chain", 3))
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3), speculator=spec)
+    monkeypatch.setattr(MoE, "DENSE_DISPATCH_MAX_TOKENS", 10**6)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch), speculator=spec)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
     kind = "spec" if speculate else "plain"
-    expected = {"plan": 0, "prefill alone": n_moe + 1, f"{kind} alone": n_moe + 1, f"{kind} fused": n_moe + 2}
+    moe = n_moe if dispatch == "exact" else 0
+    expected = {"plan": 0, "prefill alone": moe + 1, f"{kind} alone": moe + 1, f"{kind} fused": moe + 2}
     assert set(seen) == set(expected), seen.keys()  # every kind of step ran
     assert {k: set(v) for k, v in seen.items()} == {k: {n} for k, n in expected.items()}
 
