@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from rollout.compiled import compiled_target
 from rollout.profile import StepProfiler, tick
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
@@ -63,6 +64,9 @@ class EngineConfig:
     # no host read inside the step and a faster MoE at small blocks, equal to "exact" only to
     # rounding (target_training.model.MoE). Plain and speculative decoding use the same dispatch.
     moe_dispatch: str = "exact"
+    # compile the decode and verify forwards of small blocks into static graphs (rollout.compiled:
+    # dense MoE dispatch, fixed key count; eager fallback per shape); prefills stay eager
+    compile_forwards: bool = False
 
     def __post_init__(self) -> None:
         if not 0 < self.max_batch <= MAX_BATCH:
@@ -72,6 +76,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.prefill_ahead must be an integer in [0, max_batch], got {self.prefill_ahead!r}")
         if self.max_len is not None and self.max_len <= 0:
             raise ValueError(f"EngineConfig.max_len must be positive, got {self.max_len}")
+        if not isinstance(self.compile_forwards, bool):
+            raise ValueError(f"EngineConfig.compile_forwards must be True or False, got {self.compile_forwards!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"EngineConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         if self.sampling_mode not in ("coupled", "rng"):
@@ -121,6 +127,7 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         self.max_len = self.config.max_len or model.cfg.max_seq_len
         self.speculator = speculator  # rollout.speculative.Speculator or None (plain decoding)
+        self.compiled = compiled_target(model) if self.config.compile_forwards else None  # rollout.compiled
         if speculator is not None:
             speculator.check_target(model)
         self.generator = torch.Generator(device="cpu")
@@ -174,7 +181,8 @@ class EmbeddedEngine:
         self.generator.manual_seed(params.seed)
         n_decode = min(self.config.max_batch, len(states))  # sequences decoded per step, at most
         n_slots = min(self.config.max_batch + self.config.prefill_ahead, len(states))  # KV-cache slots
-        spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None else None
+        spec = (self.speculator.begin(n_slots, self.max_len, compiled=self.config.compile_forwards)
+                if self.speculator is not None else None)
         slack = self.speculator.block_slack() if spec is not None else 0
         cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
                                   self.model.embed_tokens.weight.dtype)
@@ -308,8 +316,14 @@ class EmbeddedEngine:
         the step's rows read (KVCache.begin_block), from the host's lengths (`cached_len`)."""
         taps = self.tap_layers(capture, spec)
         if prefill is None:
-            return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask, tap_layers=taps,
-                              key_len=key_len, moe_dispatch=self.config.moe_dispatch)
+            def eager() -> ModelOutput:
+                return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask,
+                                  tap_layers=taps, key_len=key_len, moe_dispatch=self.config.moe_dispatch)
+
+            if self.compiled is None:
+                return eager()
+            return self.compiled(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask,
+                                 tap_layers=taps, eager=eager)
         B, T = ids.shape
         n_new, T_new = prefill.ids.shape
         W = max(T, T_new)

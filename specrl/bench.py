@@ -254,16 +254,17 @@ def adaptive_speculator(draft, spec_cfg, gammas):
 
 
 def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repeats: int = 3,
-                  adaptive_gammas=None, warm_prompts=None, moe_dispatch: str = "exact") -> list[dict]:
+                  adaptive_gammas=None, warm_prompts=None, engine_options: dict | None = None) -> list[dict]:
     """Plain decoding and every speculative configuration at one batch size, on the same
     prompts: timed in turns (`timed_generate_interleaved`), the bound's parts measured on the
     timed calls' own steps (on CUDA, where a profiler mark synchronises, on one extra profiled
     run each). With `adaptive_gammas`, also the chain draft under the controller,
     whose statistics are warmed on `warm_prompts` (other prompts) before any timing. Every engine
-    computes the MoE with `moe_dispatch` (EngineConfig)."""
+    gets `engine_options` (EngineConfig fields: moe_dispatch, compile_forwards); with compiled
+    forwards, each engine first decodes the prompts once untimed, compiling every shape it meets."""
     from rollout.speculative import Speculator
 
-    config = EngineConfig(max_batch=batch, moe_dispatch=moe_dispatch)
+    config = EngineConfig(max_batch=batch, **(engine_options or {}))
     engines = {"plain": EmbeddedEngine(policy, config)}
     for i, scfg in enumerate(spec_cfgs):
         engines[i] = EmbeddedEngine(policy, config, speculator=Speculator(draft, scfg))
@@ -272,6 +273,9 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
                                              speculator=adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas))
         for _ in range(2):
             engines["adaptive"].generate(warm_prompts, params)
+    if config.compile_forwards:
+        for engine in engines.values():
+            engine.generate(prompts, params)
     profiled = [name for name in engines if name != "adaptive"]
     in_timed = engines["plain"].device.type == "cpu"  # a CUDA mark synchronises the device: profile apart there
     timed = timed_generate_interleaved(engines, prompts, params, repeats, profile=profiled if in_timed else ())
@@ -387,27 +391,27 @@ def save_summary(out_dir, summary: dict) -> dict:
 
 def bench_speed(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
                 chain_gamma: int | None = None, tree_depth: int = 4, tree_topk: int = 4, tree_budget: int = 12,
-                prompts_per_batch: int = 3, temperature: float = 0.0, repeats: int = 5, moe_dispatch: str = "exact",
-                log=print) -> dict:
+                prompts_per_batch: int = 3, temperature: float = 0.0, repeats: int = 5,
+                engine_options: dict | None = None, log=print) -> dict:
     """Plain, chain, tree and adaptive (chain under the controller) decoding at each batch size,
     timed in turns on the same prompts, with the bound's parts measured on the engine's own
     steps (MEASUREMENT) and where each step's time goes (`profile` of every row). The chain
     length defaults to the preset's (`RunPreset.cotrain.spec`)."""
     from rollout.speculative import SpecConfig
 
-    EngineConfig(moe_dispatch=moe_dispatch)  # a bad value fails before the expensive setup
+    EngineConfig(**(engine_options or {}))  # a bad value fails before the expensive setup
     chain_gamma = preset_chain_length(preset_name, chain_gamma)
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     modes = [SpecConfig(mode="chain", gamma=chain_gamma),
              SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=tree_budget)]
     return measure_and_save(out_dir, "speed", task_name, preset_name, temperature, policy, draft, params,
                             prompts_for, batches, modes, prompts_per_batch=prompts_per_batch, repeats=repeats,
-                            adaptive_gammas=tuple(range(1, chain_gamma + 1)), moe_dispatch=moe_dispatch, log=log)
+                            adaptive_gammas=tuple(range(1, chain_gamma + 1)), engine_options=engine_options, log=log)
 
 
 def measure_and_save(out_dir, benchmark: str, task_name: str, preset_name: str, temperature: float, policy, draft,
                      params, prompts_for, batches, spec_cfgs, *, prompts_per_batch: int, repeats: int,
-                     adaptive_gammas=None, moe_dispatch: str = "exact", log=print) -> dict:
+                     adaptive_gammas=None, engine_options: dict | None = None, log=print) -> dict:
     """`measure_batch` at every batch size (each row logged as it comes), saved as summary.json
     and printed as a table. The adaptive arm's controller is warmed on prompts the timed runs
     do not use."""
@@ -417,14 +421,14 @@ def measure_and_save(out_dir, benchmark: str, task_name: str, preset_name: str, 
         prompts = prompts_for(n)
         warm = prompts_for(2 * n)[n:] if adaptive_gammas else None
         new = measure_batch(policy, draft, prompts, params, b, spec_cfgs, repeats=repeats,
-                            adaptive_gammas=adaptive_gammas, warm_prompts=warm, moe_dispatch=moe_dispatch)
+                            adaptive_gammas=adaptive_gammas, warm_prompts=warm, engine_options=engine_options)
         rows.extend(new)
         for row in new:
             log(format_row(row))
     summary = save_summary(out_dir, {"benchmark": benchmark, "task": task_name, "preset": preset_name,
                                      "temperature": temperature, "model": model_summary(policy, draft),
                                      "measurement": MEASUREMENT, "repeats": repeats,
-                                     "prompts_per_batch": prompts_per_batch, "moe_dispatch": moe_dispatch,
+                                     "prompts_per_batch": prompts_per_batch, "engine_options": engine_options or {},
                                      "rows": rows})
     log(format_table(summary["rows"]))
     return summary
@@ -437,25 +441,25 @@ def model_summary(policy, draft) -> dict:
 
 def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int], *, seed: int = 0, cache_dir=None,
                   chain_gamma: int | None = None, prompts_per_batch: int = 3, temperature: float = 0.0,
-                  moe_dispatch: str = "exact", log=print) -> dict:
+                  engine_options: dict | None = None, log=print) -> dict:
     """`specrl bench profile`: where a plain and a chain-speculative step spend their time
     (rollout.profile phases), one warm-up and one profiled run per engine and batch size; chains
     of the preset's length unless given."""
     from rollout.speculative import SpecConfig, Speculator
 
-    EngineConfig(moe_dispatch=moe_dispatch)  # a bad value fails before the expensive setup
+    EngineConfig(**(engine_options or {}))  # a bad value fails before the expensive setup
     chain_gamma = preset_chain_length(preset_name, chain_gamma)
     policy, draft, params, prompts_for = speed_setup(task_name, preset_name, seed, cache_dir, temperature)
     scfg = SpecConfig(mode="chain", gamma=chain_gamma)
     rows = []
     for b in batches:
         prompts = prompts_for(b * prompts_per_batch)
-        config = EngineConfig(max_batch=b, moe_dispatch=moe_dispatch)
+        config = EngineConfig(max_batch=b, **(engine_options or {}))
         engines = {"plain": EmbeddedEngine(policy, config),
                    "chain": EmbeddedEngine(policy, config, speculator=Speculator(draft, scfg))}
         profs = {}
         for name, e in engines.items():
-            e.generate(prompts[:2], params)  # warm-up
+            e.generate(prompts if config.compile_forwards else prompts[:2], params)  # warm-up (compiles every shape)
             profs[name] = profiled_run(e, prompts, params)[1]
         costs = engine_step_costs(profs["plain"], profs["chain"], b, chain_gamma)
         row = {"batch": b, "gamma": chain_gamma, **costs,
@@ -464,7 +468,7 @@ def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int],
         log(format_profile(row))
     return save_summary(out_dir, {"benchmark": "profile", "task": task_name, "preset": preset_name,
                                   "temperature": temperature, "model": model_summary(policy, draft),
-                                  "measurement": MEASUREMENT, "moe_dispatch": moe_dispatch, "rows": rows})
+                                  "measurement": MEASUREMENT, "engine_options": engine_options or {}, "rows": rows})
 
 
 def format_profile(row: dict) -> str:

@@ -22,6 +22,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", default="arith", help="arith, sort, or a local .jsonl/.parquet file")
 
 
+def _engine_options(args) -> dict:
+    """The embedded engine's speed options a bench command line sets (EngineConfig fields)."""
+    return {"moe_dispatch": args.moe_dispatch, "compile_forwards": args.compile_forwards}
+
+
 def build_parser() -> argparse.ArgumentParser:
     from target_training.model import MOE_DISPATCHES
 
@@ -65,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(embedded) how the target's MoE runs decode and verify blocks: exact (bitwise the "
                         "training dispatch) or dense (every expert on every token at small blocks: no host read, "
                         "equal to exact to rounding); default exact")
+    s.add_argument("--compile-forwards", action="store_true",
+                   help="(embedded) compile small decode/verify blocks and draft steps into static graphs "
+                        "(torch.compile, eager fallback); each engine decodes the prompts once untimed first")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
                         "vs the embedded engine (greedy)")
@@ -75,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--batches", default="1,4,16")
     f.add_argument("--temperature", type=float, default=0.0)
     f.add_argument("--moe-dispatch", default="exact", choices=list(MOE_DISPATCHES), help="as for bench speed")
+    f.add_argument("--compile-forwards", action="store_true", help="as for bench speed")
     o = bsub.add_parser("overlap", help="RL step time with no draft training, sequential and overlapped co-training")
     _add_common(o)
     o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
@@ -186,8 +195,9 @@ def run(args: argparse.Namespace) -> dict:
         if args.engine == "vllm":
             from specrl.bench_vllm import bench_speed_vllm
 
-            if args.moe_dispatch != "exact":
-                raise ValueError("--moe-dispatch is an option of the embedded engine; drop it with --engine vllm")
+            if args.moe_dispatch != "exact" or args.compile_forwards:
+                raise ValueError("--moe-dispatch and --compile-forwards are options of the embedded engine; "
+                                 "drop them with --engine vllm")
             if args.temperature != 0.0:
                 raise ValueError("--engine vllm benchmarks greedy decoding only (its rows check token identity, "
                                  "which sampled speculation on vLLM keeps in law only); drop --temperature")
@@ -198,13 +208,13 @@ def run(args: argparse.Namespace) -> dict:
             raise ValueError("--online-draft needs --engine vllm")
         return bench_speed(args.task, args.preset, args.out, args.batch_list,
                            seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                           chain_gamma=args.gamma, moe_dispatch=args.moe_dispatch, **options)
+                           chain_gamma=args.gamma, engine_options=_engine_options(args), **options)
     if args.command == "bench" and args.bench == "profile":
         from specrl.bench import bench_profile
 
         return bench_profile(args.task, args.preset, args.out, args.batch_list,
                              seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                             moe_dispatch=args.moe_dispatch)
+                             engine_options=_engine_options(args))
     if args.command == "bench" and args.bench == "overlap":
         from specrl.bench_overlap import bench_overlap, bench_overlap_phases
 

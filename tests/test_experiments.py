@@ -175,16 +175,17 @@ def test_compiled_draft_measurement(sft_policy, tmp_path):
 
 
 @pytest.mark.slow
-def test_moe_dispatch_measurement(sft_policy, tmp_path):
-    """experiments.moe_dispatch: plain and chain decoding under both MoE dispatches, every arm
-    with exact plain decoding's tokens, the dense/exact ratios taken per repeat and saved."""
-    from experiments.moe_dispatch import run
+def test_engine_options_measurement(sft_policy, tmp_path):
+    """experiments.engine_options: plain and chain decoding under every option, every engine
+    with the default plain engine's tokens, the ratios taken per repeat and saved."""
+    from experiments.engine_options import OPTIONS, run
     summary = run(tmp_path, preset="ci", batches=(2,), repeats=2, prompts_per_batch=2, cache_dir=sft_policy[3],
                   log=lambda *a: None)
     rows = {r["mode"]: r for r in summary["rows"]}
     assert set(rows) == {"plain", "chain"}
     for r in rows.values():
-        assert r["identical_to_plain_exact"] and r["tokens_per_s_exact"] > 0 and r["tokens_per_s_dense"] > 0
-        assert len(r["dense_over_exact_repeats"]) == 2
-    assert set(rows["chain"]["chain_over_plain_median"]) == {"exact", "dense"}
+        assert r["identical_to_plain_exact"] and r["compiled_failures"] == 0
+        for option in OPTIONS:
+            assert r[f"tokens_per_s_{option}"] > 0 and len(r[f"{option}_over_exact_repeats"]) == 2
+    assert rows["chain"]["chain_over_plain_median_compiled"] > 0
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]

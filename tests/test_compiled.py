@@ -1,0 +1,96 @@
+"""EngineConfig(compile_forwards=True): compiled target and draft blocks (rollout.compiled) give
+eager decoding's tokens and log-probs, follow weight updates, and fall back to eager on failure.
+
+Compiling costs seconds per graph on this CPU, so one engine per test compiles few shapes: a
+batch of 2 with chains of 2 (decode blocks (1..2, 1), verify blocks (1..2, 3), draft steps)."""
+import copy
+
+import pytest
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+from rollout.speculative import SpecConfig, Speculator
+from specrl.train_rl import encode_prompts
+
+
+def _run(policy, draft, compile_forwards: bool, prompts, params):
+    spec = Speculator(draft, SpecConfig("chain", 2)) if draft is not None else None
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=2, compile_forwards=compile_forwards), speculator=spec)
+    return engine, engine.generate(prompts, params)
+
+
+def _same(a, b):
+    assert [t.token_ids for t in a] == [t.token_ids for t in b]
+    assert max((x.logprobs - y.logprobs).abs().max().item() for x, y in zip(a, b)) <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(sft_policy, offline_draft):
+    tokenizer, task, policy, _ = sft_policy
+    prompts = encode_prompts(tokenizer, task.examples("heldout", 6, 3))
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
+    return policy, offline_draft, prompts, params
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_compiled_forwards_decode_what_eager_decodes(setup, speculate):
+    policy, draft, prompts, params = setup
+    draft = draft if speculate else None
+    _, eager = _run(policy, draft, False, prompts, params)
+    engine, compiled = _run(policy, draft, True, prompts, params)
+    _same(compiled, eager)
+    assert engine.compiled.shapes and not engine.compiled.failures  # the target's blocks really ran compiled
+    if speculate:
+        drafts = engine.speculator.compiled_draft()
+        assert drafts.shapes and not drafts.failures
+        assert sum(t.spec.accepted for t in compiled) > 0
+
+
+def test_compiled_graphs_follow_policy_and_draft_updates(setup):
+    """Weights are graph inputs: a policy sync and a draft hot swap, both in place, change what
+    the compiled engine decodes exactly as they change the eager one."""
+    policy, draft, prompts, params = setup
+    policy, draft = copy.deepcopy(policy), copy.deepcopy(draft)
+    compiled_engine, before = _run(policy, draft, True, prompts, params)
+    g = torch.Generator().manual_seed(0)
+    new_policy = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in policy.state_dict().items()}
+    new_draft = {k: v + 0.05 * torch.randn(v.shape, generator=g) if v.is_floating_point() else v
+                 for k, v in compiled_engine.draft_weights()[0].items()}
+    compiled_engine.load_policy_weights(new_policy)
+    compiled_engine.push_draft(new_draft, version=1)
+    after = compiled_engine.generate(prompts, params)
+    assert [t.token_ids for t in after] != [t.token_ids for t in before]  # the update changed the policy's answers
+    eager_engine, _ = _run(copy.deepcopy(policy), copy.deepcopy(draft), False, prompts[:1], params)
+    eager_engine.load_policy_weights(new_policy)
+    eager_engine.push_draft(new_draft, version=1)
+    eager = eager_engine.generate(prompts, params)
+    _same(after, eager)
+    spec = [(t.spec.drafted, t.spec.accepted) for t in after]
+    assert spec == [(t.spec.drafted, t.spec.accepted) for t in eager]  # the compiled draft proposes the same
+
+
+def test_a_failing_compiled_graph_falls_back_to_eager(setup, monkeypatch):
+    """A shape whose compiled call raises runs eagerly from then on, the error recorded; the
+    rollout is eager decoding's, token for token."""
+    policy, draft, prompts, params = setup
+    _, eager = _run(policy, draft, False, prompts, params)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("inductor failed\nsecond line")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
+    engine, out = _run(policy, draft, True, prompts, params)
+    _same(out, eager)
+    assert engine.compiled.failures and not engine.compiled.shapes
+    assert set(engine.compiled.failures.values()) == {"RuntimeError: inductor failed"}
+    n_shapes = len(engine.compiled.failures) + len(engine.speculator.compiled_draft().failures)
+    assert len(calls) == n_shapes  # each shape tried once, then eager
+    assert not engine.draft_faults  # a compile failure is not a draft fault: speculation went on
+
+
+def test_compile_forwards_is_checked():
+    with pytest.raises(ValueError, match="EngineConfig.compile_forwards must be True or False"):
+        EngineConfig(compile_forwards="yes")
