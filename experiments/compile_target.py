@@ -20,7 +20,7 @@ import torch
 
 from experiments import batch_sweep_main
 from specrl.bench import preset_chain_length, save_summary, speed_setup
-from target_training.model import KVCache
+from target_training.model import KVCache, MoE
 
 
 def time_forward(forward, cache: KVCache, ids, key_len: int, moe_dispatch: str, cached: int, calls: int):
@@ -52,6 +52,9 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), cached: int = 40, ca
     for b in batches:
         for block in (1, preset_chain_length(preset) + 1):  # a decode block and a chain's verify block
             ids = torch.randint(3, cfg.vocab_size, (b, block), generator=g)
+            if b * block > MoE.DENSE_DISPATCH_MAX_TOKENS:  # the exact dispatch reads the host: no whole graph
+                log(f"batch {b:>3} block {block}: beyond the dense dispatch's {MoE.DENSE_DISPATCH_MAX_TOKENS} tokens")
+                continue
             cache = KVCache.for_model(cfg, b, cfg.max_seq_len)
             t0 = time.perf_counter()
             time_forward(compiled, cache, ids, cfg.max_seq_len, "dense", cached, calls=0)  # compiles this shape

@@ -62,9 +62,7 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), repeats: int = 5, pr
                     row[f"chain_over_plain_exact_median_{option}"] = ratio(name, "plain exact")
             row["identical_to_plain_exact"] = all(same_tokens(timed[f"{mode} {o}"]["trajectories"], reference)
                                                   for o in OPTIONS)
-            compiled = engines[f"{mode} compiled"]
-            row["compiled_failures"] = len(compiled.compiled.failures) + (
-                len(compiled.speculator.compiled_draft().failures) if mode == "chain" else 0)
+            row["compiled_failures"] = len(engines[f"{mode} compiled"].compiled.failures)
             rows.append(row)
             log(f"batch {b:>3} {mode}: " + "  ".join(f"{o} x{row[f'{o}_over_exact_median']:.2f}" for o in OPTIONS)
                 + ("  chain/plain " + " ".join(f"{o} x{row[f'chain_over_plain_median_{o}']:.2f}" for o in OPTIONS)

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from rollout.compiled import compiled_target
+from rollout.compiled import CompiledForwards
 from rollout.profile import StepProfiler, tick
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
@@ -64,8 +64,8 @@ class EngineConfig:
     # no host read inside the step and a faster MoE at small blocks, equal to "exact" only to
     # rounding (target_training.model.MoE). Plain and speculative decoding use the same dispatch.
     moe_dispatch: str = "exact"
-    # compile the decode and verify forwards of small blocks into static graphs (rollout.compiled:
-    # dense MoE dispatch, fixed key count; eager fallback per shape); prefills stay eager
+    # compile the target's decode and verify forwards of small blocks into static graphs
+    # (rollout.compiled: dense MoE dispatch, fixed key count, eager fallback per shape)
     compile_forwards: bool = False
 
     def __post_init__(self) -> None:
@@ -127,7 +127,7 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         self.max_len = self.config.max_len or model.cfg.max_seq_len
         self.speculator = speculator  # rollout.speculative.Speculator or None (plain decoding)
-        self.compiled = compiled_target(model) if self.config.compile_forwards else None  # rollout.compiled
+        self.compiled = CompiledForwards(model) if self.config.compile_forwards else None  # rollout.compiled
         if speculator is not None:
             speculator.check_target(model)
         self.generator = torch.Generator(device="cpu")
@@ -181,8 +181,7 @@ class EmbeddedEngine:
         self.generator.manual_seed(params.seed)
         n_decode = min(self.config.max_batch, len(states))  # sequences decoded per step, at most
         n_slots = min(self.config.max_batch + self.config.prefill_ahead, len(states))  # KV-cache slots
-        spec = (self.speculator.begin(n_slots, self.max_len, compiled=self.config.compile_forwards)
-                if self.speculator is not None else None)
+        spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None else None
         slack = self.speculator.block_slack() if spec is not None else 0
         cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
                                   self.model.embed_tokens.weight.dtype)

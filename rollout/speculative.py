@@ -61,7 +61,6 @@ class Speculator:
         self.controller = None  # optional: picks plain or gamma per step (specrl.controller)
         self.faults: list[str] = []  # one line per draft-side failure, newest last
         self.version = 0  # version of the draft weights in use (hot swap)
-        self._compiled = None  # rollout.compiled.CompiledForwards of self.draft, built on first use
 
     def check_target(self, target) -> None:
         """Fail with a one-line error if the draft was not built for this target."""
@@ -90,24 +89,13 @@ class Speculator:
             return depth + 1
         return 1 + c.tree_topk + (depth - 1) * c.tree_topk ** 2  # every drafted candidate, at worst
 
-    def compiled_draft(self):
-        """The draft's steps compiled (rollout.compiled), kept across generate() calls and
-        rebuilt only when set_draft replaces the module (a hot swap copies weights in place)."""
-        from rollout.compiled import CompiledForwards
-
-        if self._compiled is None or self._compiled.module is not self.draft:
-            self._compiled = CompiledForwards(self.draft)
-        return self._compiled
-
-    def begin(self, n_slots: int, max_len: int, compiled: bool = False) -> "SpecSession":
-        """The per-generate session; `compiled`: the draft's steps run compiled."""
-        return SpecSession(self, n_slots, max_len + self.block_slack(), self.compiled_draft() if compiled else None)
+    def begin(self, n_slots: int, max_len: int) -> "SpecSession":
+        return SpecSession(self, n_slots, max_len + self.block_slack())
 
 
 class SpecSession:
-    def __init__(self, spec: Speculator, n_slots: int, max_len: int, compiled=None):
+    def __init__(self, spec: Speculator, n_slots: int, max_len: int):
         self.spec, self.cfg, self.draft = spec, spec.config, spec.draft
-        self.compiled = compiled  # CompiledForwards of the draft, or None (eager)
         dev = self.draft.fc.weight.device
         self.cache = self.draft.new_cache(n_slots, max_len, dev)
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]  # features not yet fed to the draft
@@ -313,15 +301,8 @@ class SpecSession:
         return h_last, q_last
 
     def _draft_step(self, slots, key_len: int, hidden, tokens, positions=None, mask=None):
-        def eager():
-            return self.draft(tokens, hidden, cache=self.cache, slots=slots, positions=positions, attn_mask=mask,
-                              key_len=key_len)
-
-        if self.compiled is None:
-            prenorm, logits = eager()
-        else:
-            prenorm, logits = self.compiled(tokens, hidden, cache=self.cache, slots=slots, positions=positions,
-                                            attn_mask=mask, eager=eager)
+        prenorm, logits = self.draft(tokens, hidden, cache=self.cache, slots=slots, positions=positions,
+                                     attn_mask=mask, key_len=key_len)
         return prenorm, self.draft.to_target_logits(logits)
 
     def _draft_chain(self, slots, L_max: int, h, q_logits, depth: int, ctx: "_Sampling"):

@@ -1,8 +1,8 @@
-"""EngineConfig(compile_forwards=True): compiled target and draft blocks (rollout.compiled) give
-eager decoding's tokens and log-probs, follow weight updates, and fall back to eager on failure.
+"""EngineConfig(compile_forwards=True): the target's compiled blocks (rollout.compiled) give eager
+decoding's tokens and log-probs, follow policy syncs, and fall back to eager on failure.
 
-Compiling costs seconds per graph on this CPU, so one engine per test compiles few shapes: a
-batch of 2 with chains of 2 (decode blocks (1..2, 1), verify blocks (1..2, 3), draft steps)."""
+Compiling costs seconds per graph on this CPU, so the engines compile few shapes: a batch of 2
+with chains of 2 (decode blocks (1..2, 1), verify blocks (1..2, 3))."""
 import copy
 
 import pytest
@@ -41,15 +41,14 @@ def test_compiled_forwards_decode_what_eager_decodes(setup, speculate):
     engine, compiled = _run(policy, draft, True, prompts, params)
     _same(compiled, eager)
     assert engine.compiled.shapes and not engine.compiled.failures  # the target's blocks really ran compiled
+    assert {shape[0][1] for shape in engine.compiled.shapes} == ({(1, 3), (2, 3)} if speculate else {(1, 1), (2, 1)})
     if speculate:
-        drafts = engine.speculator.compiled_draft()
-        assert drafts.shapes and not drafts.failures
         assert sum(t.spec.accepted for t in compiled) > 0
 
 
-def test_compiled_graphs_follow_policy_and_draft_updates(setup):
-    """Weights are graph inputs: a policy sync and a draft hot swap, both in place, change what
-    the compiled engine decodes exactly as they change the eager one."""
+def test_compiled_graphs_follow_policy_syncs(setup):
+    """Weights are graph inputs: a policy sync (in place, with a draft hot swap beside it) changes
+    what the compiled engine decodes exactly as it changes the eager one."""
     policy, draft, prompts, params = setup
     policy, draft = copy.deepcopy(policy), copy.deepcopy(draft)
     compiled_engine, before = _run(policy, draft, True, prompts, params)
@@ -66,8 +65,7 @@ def test_compiled_graphs_follow_policy_and_draft_updates(setup):
     eager_engine.push_draft(new_draft, version=1)
     eager = eager_engine.generate(prompts, params)
     _same(after, eager)
-    spec = [(t.spec.drafted, t.spec.accepted) for t in after]
-    assert spec == [(t.spec.drafted, t.spec.accepted) for t in eager]  # the compiled draft proposes the same
+    assert [(t.spec.drafted, t.spec.accepted) for t in after] == [(t.spec.drafted, t.spec.accepted) for t in eager]
 
 
 def test_a_failing_compiled_graph_falls_back_to_eager(setup, monkeypatch):
@@ -86,9 +84,21 @@ def test_a_failing_compiled_graph_falls_back_to_eager(setup, monkeypatch):
     _same(out, eager)
     assert engine.compiled.failures and not engine.compiled.shapes
     assert set(engine.compiled.failures.values()) == {"RuntimeError: inductor failed"}
-    n_shapes = len(engine.compiled.failures) + len(engine.speculator.compiled_draft().failures)
-    assert len(calls) == n_shapes  # each shape tried once, then eager
+    assert len(calls) == len(engine.compiled.failures)  # each shape tried once, then eager
     assert not engine.draft_faults  # a compile failure is not a draft fault: speculation went on
+
+
+def test_compiled_blocks_are_small_ones(tiny_model):
+    """Only blocks the compiled path measured faster on take it: at most MAX_ROWS rows and
+    DENSE_DISPATCH_MAX_TOKENS tokens (the dense dispatch keeps the graph whole)."""
+    from rollout.compiled import MAX_ROWS, CompiledForwards
+    from target_training.model import MoE
+
+    compiled = CompiledForwards(tiny_model)
+    assert compiled.takes(torch.zeros(1, 1, dtype=torch.long))
+    assert compiled.takes(torch.zeros(4, MoE.DENSE_DISPATCH_MAX_TOKENS // 4, dtype=torch.long))
+    assert not compiled.takes(torch.zeros(4, MoE.DENSE_DISPATCH_MAX_TOKENS // 4 + 1, dtype=torch.long))
+    assert not compiled.takes(torch.zeros(MAX_ROWS + 1, 1, dtype=torch.long))
 
 
 def test_compile_forwards_is_checked():
