@@ -14,7 +14,7 @@ nothing in it is dynamic:
     compiled on first use (`dynamic=False`, `fullgraph=True`).
 
 and only where it measured faster on the CPU it was tuned on: blocks of at most MAX_ROWS rows
-(a batch-16 decode block ran 0.53x as fast compiled). Prompts (prefill, alone or riding along)
+(an 8-row decode block ran 0.89-1.10x as fast compiled, a 16-row one 0.53-0.66x). Prompts (prefill, alone or riding along)
 and larger blocks run eagerly. The draft stays eager: compiling its steps the same way made no
 measurable difference to a chain step inside the engine (README).
 
@@ -30,7 +30,7 @@ import torch
 
 from target_training.model import MoE, ModelOutput, MoETransformer
 
-MAX_ROWS = 8  # compiled blocks' rows: per forward x1.5-3.6 faster at 1-4 rows, x1.10 at 8, x0.53 at 16
+MAX_ROWS = 4  # compiled blocks' rows: per forward x1.5-4.0 faster at 1-4 rows, x0.89-1.10 at 8, x0.53-0.66 at 16
 RECOMPILE_LIMIT = 512  # graphs per engine: a decode and a verify shape for every row count, plus masks
 
 
