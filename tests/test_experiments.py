@@ -189,3 +189,15 @@ def test_engine_options_measurement(sft_policy, tmp_path):
             assert r[f"tokens_per_s_{option}"] > 0 and len(r[f"{option}_over_exact_repeats"]) == 2
     assert rows["chain"]["chain_over_plain_median_compiled"] > 0
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
+
+
+@pytest.mark.slow
+def test_compiled_target_measurement(sft_policy, tmp_path):
+    """experiments.compile_target: each shape within the dense dispatch timed eager and compiled,
+    the compiled logits within rounding of eager's; larger blocks are skipped, not compiled."""
+    from experiments.compile_target import run
+    summary = run(tmp_path, preset="ci", batches=(1, 8), calls=3, cache_dir=sft_policy[3], log=lambda *a: None)
+    shapes = {(r["batch"], r["block"]) for r in summary["rows"]}
+    assert (1, 1) in shapes and (8, 1) in shapes and (8, 5) not in shapes  # 40 tokens: beyond the dense size
+    for r in summary["rows"]:
+        assert r["compiled_us"] > 0 and r["eager_us"] > 0 and r["max_abs_logit_diff_x1e6"] < 100
