@@ -20,6 +20,7 @@ import torch
 
 from experiments import batch_sweep_main
 from specrl.bench import preset_chain_length, save_summary, speed_setup
+from rollout.compiled import RECOMPILE_LIMIT
 from target_training.model import KVCache, MoE
 
 
@@ -43,38 +44,43 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), cached: int = 40, ca
     import torch._dynamo
 
     policy, _, _, _ = speed_setup("arith", preset, 0, cache_dir, 0.0)
-    cfg = policy.cfg
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(batches))
-    torch._dynamo.config.automatic_dynamic_shapes = False  # one static graph per shape, never a dynamic one
     compiled = torch.compile(policy.forward, dynamic=False, fullgraph=True)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for b in batches:
-        for block in (1, preset_chain_length(preset) + 1):  # a decode block and a chain's verify block
-            ids = torch.randint(3, cfg.vocab_size, (b, block), generator=g)
-            if b * block > MoE.DENSE_DISPATCH_MAX_TOKENS:  # the exact dispatch reads the host: no whole graph
-                log(f"batch {b:>3} block {block}: beyond the dense dispatch's {MoE.DENSE_DISPATCH_MAX_TOKENS} tokens")
-                continue
-            cache = KVCache.for_model(cfg, b, cfg.max_seq_len)
-            t0 = time.perf_counter()
-            time_forward(compiled, cache, ids, cfg.max_seq_len, "dense", cached, calls=0)  # compiles this shape
-            compile_s = time.perf_counter() - t0
-            eager_s, _ = time_forward(policy.forward, cache, ids, cached + block, "exact", cached, calls)
-            eager_static_s, eager_logits = time_forward(policy.forward, cache, ids, cfg.max_seq_len, "dense", cached,
-                                                        calls)
-            compiled_s, compiled_logits = time_forward(compiled, cache, ids, cfg.max_seq_len, "dense", cached, calls)
-            # microseconds, and the logit difference times 1e6: the summary keeps 4 decimals
-            rows.append({"batch": b, "block": block, "eager_us": eager_s * 1e6,
-                         "eager_static_dense_us": eager_static_s * 1e6, "compiled_us": compiled_s * 1e6,
-                         "eager_over_compiled": eager_s / compiled_s, "compile_s": compile_s,
-                         "max_abs_logit_diff_x1e6": (eager_logits - compiled_logits).abs().max().item() * 1e6})
-            r = rows[-1]
-            log(f"batch {b:>3} block {block}: eager {r['eager_us']:7.0f}us  eager static+dense "
-                f"{r['eager_static_dense_us']:7.0f}us  compiled {r['compiled_us']:7.0f}us  "
-                f"eager/compiled x{r['eager_over_compiled']:.2f}  compile {compile_s:.1f}s  "
-                f"max|dlogit| {r['max_abs_logit_diff_x1e6']:.1f}e-6")
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # a graph per shape, as in the engine
+        for b in batches:
+            rows.extend(_measure_batch(policy, compiled, b, preset, cached, calls, g, log))
     return save_summary(out_dir, {"experiment": "compile_target", "preset": preset, "cached_tokens": cached,
                                   "calls": calls, "rows": rows})
+
+
+def _measure_batch(policy, compiled, b: int, preset: str, cached: int, calls: int, g, log) -> list[dict]:
+    """The rows of one batch size: a decode block and a chain's verify block."""
+    cfg, rows = policy.cfg, []
+    for block in (1, preset_chain_length(preset) + 1):  # a decode block and a chain's verify block
+        ids = torch.randint(3, cfg.vocab_size, (b, block), generator=g)
+        if b * block > MoE.DENSE_DISPATCH_MAX_TOKENS:  # the exact dispatch reads the host: no whole graph
+            log(f"batch {b:>3} block {block}: beyond the dense dispatch's {MoE.DENSE_DISPATCH_MAX_TOKENS} tokens")
+            continue
+        cache = KVCache.for_model(cfg, b, cfg.max_seq_len)
+        t0 = time.perf_counter()
+        time_forward(compiled, cache, ids, cfg.max_seq_len, "dense", cached, calls=0)  # compiles this shape
+        compile_s = time.perf_counter() - t0
+        eager_s, _ = time_forward(policy.forward, cache, ids, cached + block, "exact", cached, calls)
+        eager_static_s, eager_logits = time_forward(policy.forward, cache, ids, cfg.max_seq_len, "dense", cached,
+                                                    calls)
+        compiled_s, compiled_logits = time_forward(compiled, cache, ids, cfg.max_seq_len, "dense", cached, calls)
+        # microseconds, and the logit difference times 1e6: the summary keeps 4 decimals
+        rows.append({"batch": b, "block": block, "eager_us": eager_s * 1e6,
+                     "eager_static_dense_us": eager_static_s * 1e6, "compiled_us": compiled_s * 1e6,
+                     "eager_over_compiled": eager_s / compiled_s, "compile_s": compile_s,
+                     "max_abs_logit_diff_x1e6": (eager_logits - compiled_logits).abs().max().item() * 1e6})
+        r = rows[-1]
+        log(f"batch {b:>3} block {block}: eager {r['eager_us']:7.0f}us  eager static+dense "
+            f"{r['eager_static_dense_us']:7.0f}us  compiled {r['compiled_us']:7.0f}us  "
+            f"eager/compiled x{r['eager_over_compiled']:.2f}  compile {compile_s:.1f}s  "
+            f"max|dlogit| {r['max_abs_logit_diff_x1e6']:.1f}e-6")
+    return rows
 
 
 def main(argv=None) -> int:
