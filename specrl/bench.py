@@ -271,11 +271,14 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
     if adaptive_gammas:
         engines["adaptive"] = EmbeddedEngine(policy, config,
                                              speculator=adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas))
+    if config.compile_forwards:  # compile every shape the timed calls (and the controller's warm-up) meet
+        for name, engine in engines.items():
+            for batch_prompts in ([prompts, warm_prompts] if name == "adaptive" else [prompts]):
+                engine.generate(batch_prompts, params)
+    if adaptive_gammas:  # a fresh controller: steps that compiled would have misled it
+        engines["adaptive"].speculator = adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas)
         for _ in range(2):
             engines["adaptive"].generate(warm_prompts, params)
-    if config.compile_forwards:
-        for engine in engines.values():
-            engine.generate(prompts, params)
     profiled = [name for name in engines if name != "adaptive"]
     in_timed = engines["plain"].device.type == "cpu"  # a CUDA mark synchronises the device: profile apart there
     timed = timed_generate_interleaved(engines, prompts, params, repeats, profile=profiled if in_timed else ())
