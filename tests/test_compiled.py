@@ -4,6 +4,7 @@ decoding's tokens and log-probs, follow policy syncs, and fall back to eager on 
 Compiling costs seconds per graph on this CPU, so the engines compile few shapes: a batch of 2
 with chains of 2 (decode blocks (1..2, 1), verify blocks (1..2, 3))."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -14,8 +15,11 @@ from rollout.speculative import SpecConfig, Speculator
 from specrl.train_rl import encode_prompts
 
 
-def _run(policy, draft, compile_forwards: bool, prompts, params):
-    spec = Speculator(draft, SpecConfig("chain", 2)) if draft is not None else None
+SPEC = {"chain": SpecConfig("chain", 2), "tree": SpecConfig("tree", gamma=2, tree_topk=2, tree_budget=6)}
+
+
+def _run(policy, draft, compile_forwards: bool, prompts, params, mode: str = "chain"):
+    spec = Speculator(draft, SPEC[mode]) if draft is not None else None
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=2, compile_forwards=compile_forwards), speculator=spec)
     return engine, engine.generate(prompts, params)
 
@@ -33,16 +37,20 @@ def setup(sft_policy, offline_draft):
     return policy, offline_draft, prompts, params
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_compiled_forwards_decode_what_eager_decodes(setup, speculate):
+@pytest.mark.parametrize("mode, temperature", [(None, 0.0), ("chain", 0.0), ("chain", 1.0), ("tree", 1.0)])
+def test_compiled_forwards_decode_what_eager_decodes(setup, mode, temperature):
+    """Plain decode blocks, chain verify blocks and tree verify blocks (with their mask), greedy
+    and coupled sampling: the compiled engine decodes eager's tokens, log-probs within 1e-5."""
     policy, draft, prompts, params = setup
-    draft = draft if speculate else None
-    _, eager = _run(policy, draft, False, prompts, params)
-    engine, compiled = _run(policy, draft, True, prompts, params)
+    params = dataclasses.replace(params, temperature=temperature, seed=3)
+    draft = draft if mode else None
+    _, eager = _run(policy, draft, False, prompts, params, mode or "chain")
+    engine, compiled = _run(policy, draft, True, prompts, params, mode or "chain")
     _same(compiled, eager)
     assert engine.compiled.shapes and not engine.compiled.failures  # the target's blocks really ran compiled
-    assert {shape[0][1] for shape in engine.compiled.shapes} == ({(1, 3), (2, 3)} if speculate else {(1, 1), (2, 1)})
-    if speculate:
+    block = {None: 1, "chain": 3, "tree": 7}[mode]  # tokens per row: decode, chain of 2 + 1, tree of 6 + root
+    assert {shape[0][1] for shape in engine.compiled.shapes} == {(1, block), (2, block)}
+    if mode:
         assert sum(t.spec.accepted for t in compiled) > 0
 
 
