@@ -60,7 +60,7 @@ import torch
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens, summarize_spec_stats
 from rollout.speculative import Speculator
-from specrl.bench import machine_info, timed_generate_interleaved
+from specrl.bench import machine_info, repeat_ratios, timed_generate_interleaved
 from specrl.controller import ControllerConfig, SpeculationController
 from specrl.drafts import train_offline_draft
 from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset
@@ -356,8 +356,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "speedup_online_end": at(last_step, "online", "speedup"),
         "speedup_reference_end": at(last_step, "reference", "speedup"),
         # median over the end point's repeats of online tokens/s over frozen tokens/s in the same repeat
-        "speedup_online_over_frozen_end": statistics.median(
-            o / f for o, f in zip(online_end["tokens_per_s_repeats"], frozen_end["tokens_per_s_repeats"])),
+        "speedup_online_over_frozen_end": statistics.median(repeat_ratios(online_end, frozen_end)),
         "speedup_vs_batch": evaluator.speed_rows,
         "speedup_vs_batch_deep_target": evaluator.deep_rows,  # [] unless the preset names a deep target
         "plain_tokens_per_s_end": at(last_step, "plain", "tokens_per_s"),

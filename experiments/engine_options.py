@@ -20,7 +20,8 @@ from experiments import batch_sweep_main
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens
 from rollout.speculative import SpecConfig, Speculator
-from specrl.bench import preset_chain_length, save_summary, speed_setup, timed_generate_interleaved
+from specrl.bench import (preset_chain_length, repeat_ratios, save_summary, speed_setup,
+                          timed_generate_interleaved)
 
 OPTIONS = {"exact": {}, "dense": {"moe_dispatch": "dense"}, "compiled": {"compile_forwards": True}}
 
@@ -45,17 +46,15 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), repeats: int = 5, pr
         reference = timed["plain exact"]["trajectories"]
 
         def ratio(a: str, b: str) -> float:  # median over repeats of the per-repeat tokens/s ratio a / b
-            return statistics.median(x / y for x, y in zip(timed[a]["tokens_per_s_repeats"],
-                                                           timed[b]["tokens_per_s_repeats"]))
+            return statistics.median(repeat_ratios(timed[a], timed[b]))
 
         for mode in ("plain", "chain"):
             row = {"batch": b, "mode": mode, "gamma": spec_cfg.gamma if mode == "chain" else None}
             for option in OPTIONS:
                 name = f"{mode} {option}"
                 row[f"tokens_per_s_{option}"] = timed[name]["tokens_per_s"]
-                row[f"{option}_over_exact_median"] = ratio(name, f"{mode} exact")
-                row[f"{option}_over_exact_repeats"] = [x / y for x, y in zip(
-                    timed[name]["tokens_per_s_repeats"], timed[f"{mode} exact"]["tokens_per_s_repeats"])]
+                row[f"{option}_over_exact_repeats"] = repeat_ratios(timed[name], timed[f"{mode} exact"])
+                row[f"{option}_over_exact_median"] = statistics.median(row[f"{option}_over_exact_repeats"])
                 row[f"first_run_s_{option}"] = warm_s[name]
                 if mode == "chain":  # speculation's speed-up under the option, and over default plain decoding
                     row[f"chain_over_plain_median_{option}"] = ratio(name, f"plain {option}")

@@ -3,7 +3,7 @@
 Why static graphs: on a small model a forward is hundreds of small ops, and the time goes to
 dispatching them. `torch.compile` (inductor) fuses them, but only pays when the graph is whole
 and fixed; a graph break or a dynamic shape gives most of the gain back
-(experiments/compile_target.py, README "Compiled forwards"). So a block runs compiled only when
+(experiments/compile_target.py, README "Compiled target forwards"). So a block runs compiled only when
 nothing in it is dynamic:
 
   - the MoE takes the read-free dense dispatch (no host read of group sizes, no graph break),
@@ -14,8 +14,8 @@ nothing in it is dynamic:
     compiled on first use (`dynamic=False`, `fullgraph=True`).
 
 and only where it measured faster on the CPU it was tuned on: blocks of at most MAX_ROWS rows
-(an 8-row decode block ran 0.89-1.10x as fast compiled, a 16-row one 0.53-0.66x). Prompts (prefill, alone or riding along)
-and larger blocks run eagerly. The draft stays eager: compiling its steps the same way made no
+(an 8-row decode block ran 0.89-1.10x as fast compiled, a 16-row one 0.53-0.66x). Prompts
+(prefill, alone or riding along) and larger blocks run eagerly. The draft stays eager: compiling its steps the same way made no
 measurable difference to a chain step inside the engine (README).
 
 If compiling or running a shape fails, that shape runs eagerly from then on and the error is
@@ -57,8 +57,10 @@ class CompiledForwards:
         """model(input_ids, cache=cache, **kwargs) on a block that reads the whole cache
         (key_len = cache.max_len, dense dispatch); `eager()` runs the block as the caller would
         have, for blocks the compiled path does not take and after a failure."""
+        if not self.takes(input_ids):
+            return eager()
         shape = (_key(input_ids), *((k, _key(v)) for k, v in sorted(kwargs.items())))
-        if not self.takes(input_ids) or shape in self.failures:
+        if shape in self.failures:
             return eager()
         lengths = cache.lengths.clone()
         try:

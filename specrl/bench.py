@@ -40,6 +40,13 @@ def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
     return timed_generate_interleaved({"engine": engine}, prompts, params, repeats)["engine"]
 
 
+def repeat_ratios(timed_a: dict, timed_b: dict) -> list[float]:
+    """Arm a's tokens/s over arm b's in each timed repeat, in repeat order (two results of
+    `timed_generate_interleaved`): the two calls of a repeat ran seconds apart, so a slow spell
+    of the machine hits both, and the median of these is the least noisy comparison."""
+    return [a / b for a, b in zip(timed_a["tokens_per_s_repeats"], timed_b["tokens_per_s_repeats"])]
+
+
 def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2, profile=()) -> dict[str, dict]:
     """`timed_generate` for several engines, taking turns within each repeat, so a slow spell of
     a noisy machine hits every engine alike instead of whichever ran during it. The turn order
@@ -218,7 +225,7 @@ def spec_row(batch: int, spec_cfg, timed: dict, plain_timed: dict, costs: dict, 
     efficiency)."""
     same = same_tokens(timed["trajectories"], plain_timed["trajectories"])
     agg = summarize_spec_stats(t.spec for t in timed["trajectories"])
-    ratios = [s / p for s, p in zip(timed["tokens_per_s_repeats"], plain_timed["tokens_per_s_repeats"])]
+    ratios = repeat_ratios(timed, plain_timed)
     speedups = {"": timed["tokens_per_s"] / plain_timed["tokens_per_s"], "_median": statistics.median(ratios)}
     paired = None
     if per_repeat_costs and all(c["c_median"] is not None for c in per_repeat_costs):
@@ -275,8 +282,9 @@ def measure_batch(policy, draft, prompts, params, batch: int, spec_cfgs, *, repe
         for name, engine in engines.items():
             for batch_prompts in ([prompts, warm_prompts] if name == "adaptive" else [prompts]):
                 engine.generate(batch_prompts, params)
-    if adaptive_gammas:  # a fresh controller: steps that compiled would have misled it
-        engines["adaptive"].speculator = adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas)
+        if adaptive_gammas:  # a fresh controller: steps that compiled would have misled it
+            engines["adaptive"].speculator = adaptive_speculator(draft, spec_cfgs[0], adaptive_gammas)
+    if adaptive_gammas:
         for _ in range(2):
             engines["adaptive"].generate(warm_prompts, params)
     profiled = [name for name in engines if name != "adaptive"]

@@ -71,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "training dispatch) or dense (every expert on every token at small blocks: no host read, "
                         "equal to exact to rounding); default exact")
     s.add_argument("--compile-forwards", action="store_true",
-                   help="(embedded) compile small decode/verify blocks and draft steps into static graphs "
-                        "(torch.compile, eager fallback); each engine decodes the prompts once untimed first")
+                   help="(embedded) compile the target's small decode/verify blocks into static graphs "
+                        "(torch.compile, eager fallback; the draft stays eager); each engine decodes the "
+                        "prompts once untimed first")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
                         "vs the embedded engine (greedy)")
