@@ -78,9 +78,8 @@ def verify_chain_rejection(draft_tokens: Long, draft_logp: torch.Tensor, target_
     n = accept_test(px, qx, u).long().cumprod(1).sum(1)  # (B,) accepted prefix
     rows = torch.arange(B, device=target_logp.device)
     p = target_logp[rows, n].exp()  # (B, V) at the first rejection, or the bonus position
-    q = torch.zeros_like(p)  # (B, V): stays 0 at the bonus position, and residual(p, 0) = p
-    rej = (n < g).nonzero()[:, 0]
-    q[rej] = draft_logp[rej, n[rej]].exp()
+    # q at the first rejection; 0 at the bonus position (n == g), where residual(p, 0) = p
+    q = torch.where((n < g)[:, None], draft_logp[rows, n.clamp(max=g - 1)].exp(), 0.0)  # (B, V)
     return n, torch.multinomial(residual(p, q), 1, generator=generator)[:, 0]
 
 
@@ -173,7 +172,8 @@ def sample_children_without_replacement(draft_logp: torch.Tensor, k: int,
 
 def verify_tree_rejection(parents: Long, tokens: Long, valid: torch.Tensor, draft_logp: torch.Tensor,
                           target_logp: torch.Tensor, generator: torch.Generator | None = None,
-                          verified: torch.Tensor | None = None):
+                          verified: torch.Tensor | None = None, max_depth: int | None = None,
+                          max_children: int | None = None):
     """Recursive rejection sampling over a tree whose siblings were drafted without replacement.
 
     At the current node (p = target, q = draft distribution there) try the valid children in
@@ -188,49 +188,56 @@ def verify_tree_rejection(parents: Long, tokens: Long, valid: torch.Tensor, draf
     parent's p and q); if it is accepted its token becomes next_token and the walk stops there.
     This keeps EAGLE-2 pruning lossless: prune for compute, not out of the sibling sequence.
 
-    Work is done only for rows still walking and for rows that actually rejected something.
-    Randomness: one uniform per node (B, N), then one multinomial for the rows that need it.
+    Every row walks in lockstep under masks, so nothing is read back from the device when the
+    caller knows `max_depth` (a bound on the valid nodes' depth: the drafted depth) and
+    `max_children` (a bound on any node's valid children: the tree's top-k); without them the
+    bounds are read from the tree. Randomness: one uniform per node (B, N), then one
+    multinomial over all rows (rows whose token is an accepted unverified child ignore theirs).
     Returns (path (B, D+1) verified nodes root-first padded with -1, n_accepted, next_token).
     """
     B, N, V = target_logp.shape
     dev = target_logp.device
     verified = valid if verified is None else verified & valid
-    D = _max_depth(parents, valid)
+    D = _max_depth(parents, valid) if max_depth is None else max_depth
     is_child = valid & (parents >= 0)  # (B, N)
+    K = int(_child_counts(parents, is_child).max()) if max_children is None else min(max_children, N)
     u = torch.rand(B, N, generator=generator, device=dev)  # (B, N): node c's accept test
     idx = torch.arange(N, device=dev)
+    rows = torch.arange(B, device=dev)
     path = torch.full((B, D + 1), -1, dtype=torch.long, device=dev)
     path[:, 0] = 0
-    final_p = torch.zeros(B, V, device=dev)  # law of next_token where it is drawn
+    final_p = torch.ones(B, V, device=dev)  # law of next_token where it is drawn (any law elsewhere)
     forced = torch.full((B,), -1, dtype=torch.long, device=dev)  # accepted unverified child
-    rows = torch.arange(B, device=dev)  # (A,) rows still walking
-    cur = torch.zeros(B, dtype=torch.long, device=dev)  # (A,) their current node
-    for d in range(1, D + 2):
-        p, q = target_logp[rows, cur].exp(), draft_logp[rows, cur].exp()  # (A, V)
-        kid_mask = is_child[rows] & (parents[rows] == cur[:, None])  # (A, N)
-        kids = torch.where(kid_mask, idx, N + idx).argsort(1)  # (A, N) children first, index order
-        chosen = torch.full_like(cur, -1)  # (A,)
-        for j in range(int(kid_mask.sum(1).max()) if rows.numel() else 0):
-            c = kids[:, j]  # (A,)
-            x = tokens[rows, c]  # (A,)
-            px, qx = p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0]
-            live = (chosen < 0) & kid_mask[torch.arange(rows.numel(), device=dev), c]
-            acc = live & accept_test(px, qx, u[rows, c])
+    walking = torch.ones(B, dtype=torch.bool, device=dev)  # (B,) rows still descending
+    cur = torch.zeros(B, dtype=torch.long, device=dev)  # (B,) their current node
+    for d in range(1, D + 2):  # a node of depth D has no children: every row stops by D + 1
+        p, q = target_logp[rows, cur].exp(), draft_logp[rows, cur].exp()  # (B, V)
+        kid_mask = is_child & (parents == cur[:, None])  # (B, N)
+        kids = torch.where(kid_mask, idx, N + idx).argsort(1)  # (B, N) children first, index order
+        chosen = torch.full_like(cur, -1)  # (B,)
+        for j in range(K):
+            c = kids[:, j]  # (B,)
+            x = tokens[rows, c]  # (B,)
+            live = walking & (chosen < 0) & kid_mask[rows, c]
+            acc = live & accept_test(p.gather(1, x[:, None])[:, 0], q.gather(1, x[:, None])[:, 0], u[rows, c])
             chosen = torch.where(acc, c, chosen)
-            rej = (live & ~acc).nonzero()[:, 0]
-            if rej.numel():
-                p[rej], q[rej] = rejection_update(p[rej], q[rej], x[rej])
-        stop = chosen < 0
-        final_p[rows[stop]] = p[stop]
+            rej = (live & ~acc)[:, None]
+            p_rej, q_rej = rejection_update(p, q, x)
+            p, q = torch.where(rej, p_rej, p), torch.where(rej, q_rej, q)
+        stop = walking & (chosen < 0)
+        final_p = torch.where(stop[:, None], p, final_p)
         ok = verified[rows, chosen.clamp(min=0)]
-        unver = ~stop & ~ok
-        forced[rows[unver]] = tokens[rows[unver], chosen[unver]]
-        down = ~stop & ok
-        rows, cur = rows[down], chosen[down]
-        if rows.numel() == 0:
-            break
-        path[rows, d] = cur
-    need = (forced < 0).nonzero()[:, 0]
-    next_token = forced.clone()
-    next_token[need] = torch.multinomial(final_p[need], 1, generator=generator)[:, 0]
+        forced = torch.where(walking & (chosen >= 0) & ~ok, tokens[rows, chosen.clamp(min=0)], forced)
+        walking = walking & (chosen >= 0) & ok
+        cur = torch.where(walking, chosen, cur)
+        if d <= D:
+            path[:, d] = torch.where(walking, chosen, -1)
+    drawn = torch.multinomial(final_p, 1, generator=generator)[:, 0]
+    next_token = torch.where(forced >= 0, forced, drawn)
     return path, (path >= 0).sum(1) - 1, next_token
+
+
+def _child_counts(parents: Long, is_child: torch.Tensor) -> Long:
+    """(B, N) number of valid children of every node."""
+    counts = torch.zeros(parents.shape, dtype=torch.long, device=parents.device)
+    return counts.scatter_add_(1, parents.clamp(min=0), is_child.long())

@@ -203,7 +203,7 @@ class SpecSession:
                              positions=L[:, None] + depths, attn_mask=mask, key_len=L_max + block_tokens.shape[1])
         tick(self._prof, "verify_forward")
         path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
-                                                draft_logp, out.logits)
+                                                draft_logp, out.logits, self.cfg.tree_topk)
         # keep the accepted path's KV entries contiguous after position L
         src, n_keep = accepted_kv_positions(path, L)
         cache.compact(slots, src, L)
@@ -383,7 +383,7 @@ class SpecSession:
         keep, new_parents, keep_valid = select_nodes(score, par, budget + 1, valid)
         if ctx.mode == "rejection":
             # keep pruned siblings of kept nodes in the sibling sequence (unverified) to stay lossless
-            keep, new_parents, keep_valid, verified = _with_pruned_siblings(keep, new_parents, keep_valid, par, valid)
+            keep, new_parents, keep_valid, verified = _with_pruned_siblings(keep, keep_valid, par, valid)
         else:
             verified = keep_valid
         draft_logp = cand_q[rows, keep]  # (B, N, V) node -> q for its children
@@ -422,34 +422,25 @@ class _Verified:
     prefix_path: bool = False  # the path is the block's first n_acc + 1 nodes (chains): no gather needed
 
 
-def _with_pruned_siblings(keep, new_parents, keep_valid, cand_parents, cand_valid):
+def _with_pruned_siblings(keep, keep_valid, cand_parents, cand_valid):
     """Rejection sampling over siblings needs every drafted sibling that precedes an accepted
-    one in draw order; pruned siblings whose parent is kept are added back as unverified."""
-    B = keep.shape[0]
-    rows_keep, rows_par, rows_ver = [], [], []
-    for b in range(B):
-        kept = [int(c) for c, v in zip(keep[b].tolist(), keep_valid[b].tolist()) if v]
-        kept_set = set(kept)
-        extra = [c for c in range(cand_parents.shape[1]) if c not in kept_set and bool(cand_valid[b, c])
-                 and int(cand_parents[b, c]) in kept_set]
-        nodes = sorted(kept + extra)
-        pos = {c: i for i, c in enumerate(nodes)}
-        rows_keep.append(nodes)
-        rows_par.append([pos[int(cand_parents[b, c])] if c != 0 else -1 for c in nodes])
-        rows_ver.append([c in kept_set for c in nodes])
-    W = max(len(n) for n in rows_keep)
+    one in draw order; pruned siblings whose parent is kept are added back as unverified.
+    Candidates keep their index order (parents before children). One read: the widest row's
+    node count, which sizes the verify block."""
+    B, M = cand_parents.shape
     dev = keep.device
-    out_keep = torch.zeros(B, W, dtype=torch.long, device=dev)
-    out_par = torch.full((B, W), -1, dtype=torch.long, device=dev)
-    out_valid = torch.zeros(B, W, dtype=torch.bool, device=dev)
-    out_ver = torch.zeros(B, W, dtype=torch.bool, device=dev)
-    for b in range(B):
-        n = len(rows_keep[b])
-        out_keep[b, :n] = torch.tensor(rows_keep[b])
-        out_par[b, :n] = torch.tensor(rows_par[b])
-        out_valid[b, :n] = True
-        out_ver[b, :n] = torch.tensor(rows_ver[b])
-    return out_keep, out_par, out_valid, out_ver
+    kept = torch.zeros(B, M, dtype=torch.bool, device=dev).scatter(1, keep, keep_valid)  # (B, M)
+    parent_kept = kept.gather(1, cand_parents.clamp(min=0)) & (cand_parents >= 0)
+    include = kept | (cand_valid & parent_kept)  # (B, M): kept nodes and their pruned siblings
+    W = int(include.sum(1).max())
+    idx = torch.arange(M, device=dev)
+    nodes = torch.where(include, idx, M + idx).sort(1).values[:, :W]  # (B, W) included first, ascending
+    out_valid = nodes < M
+    nodes = torch.where(out_valid, nodes, 0)
+    pos = include.long().cumsum(1) - 1  # (B, M) candidate -> its position among the row's nodes
+    par = cand_parents.gather(1, nodes)  # (B, W)
+    out_par = torch.where(out_valid & (par >= 0), pos.gather(1, par.clamp(min=0)), -1)
+    return nodes, out_par, out_valid, kept.gather(1, nodes) & out_valid
 
 
 class _Sampling:
@@ -501,12 +492,14 @@ class _Sampling:
             return acc.verify_chain_coupled(draft_tokens, self.process(target_logits), self.noise)
         return acc.verify_chain_rejection(draft_tokens, draft_logp, self.process(target_logits), self.generator)
 
-    def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logits):
-        """-> (accepted path (B, D+1), accepted drafts (B,), the target's next token (B,))."""
+    def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logits, max_children: int):
+        """-> (accepted path (B, D+1), accepted drafts (B,), the target's next token (B,)).
+        The drafted depth and `max_children` (the tree's top-k) bound the walk: no read of the tree."""
         if self.mode == "greedy":  # the drafted depth bounds the path: no read of the tree's depth
             return acc.verify_tree_greedy(parents, tokens, verified, target_logits, self.depth)
         if self.mode == "coupled":
             return acc.verify_tree_coupled(parents, tokens, verified, self.process(target_logits), self.noise,
                                            self.depth)
         return acc.verify_tree_rejection(parents, tokens, valid, draft_logp, self.process(target_logits),
-                                         self.generator, verified=verified)
+                                         self.generator, verified=verified, max_depth=self.depth,
+                                         max_children=max_children)

@@ -260,6 +260,21 @@ def test_tree_rejection_with_pruned_siblings_matches_target(case):
     assert pval > ALPHA, f"{case}: chi2={stat:.1f} df={df} p={pval:.2e}"
 
 
+def test_tree_rejection_with_host_bounds_walks_the_same():
+    """Bounds from the caller (the drafted depth, the tree's top-k; here looser than the tree)
+    spare reading them from the device and change nothing but the path's padding: the same
+    random draws give the same walk."""
+    p_logp, q_logp = make_case("far")
+    prev = torch.full((500,), START, dtype=torch.long)
+    parents, tokens, valid = build_tree(prev, q_logp, torch.Generator().manual_seed(5))
+    args = (parents, tokens, valid, q_logp[tokens], p_logp[tokens])
+    path, n, nxt = acc.verify_tree_rejection(*args, torch.Generator().manual_seed(6))
+    path_b, n_b, nxt_b = acc.verify_tree_rejection(*args, torch.Generator().manual_seed(6), max_depth=4,
+                                                   max_children=5)
+    assert path.shape[1] == 3 and torch.equal(path_b[:, :3], path) and bool((path_b[:, 3:] == -1).all())
+    assert torch.equal(n_b, n) and torch.equal(nxt_b, nxt) and 0 < float(n.float().mean()) < 2
+
+
 def test_tree_rejection_dropping_pruned_siblings_is_lossy():
     """Why `verified` exists: removing score-pruned siblings from the recursion biases the
     output towards high-q tokens, and the chi-square check sees it."""

@@ -238,10 +238,12 @@ def test_bad_prefill_ahead(value):
 
 
 class _DeviceReads:
-    """Counts the reads of tensor values into Python (tolist, item, int, bool, float, index):
-    on an accelerator each one waits for the device."""
+    """Counts the reads of tensor values into Python (tolist, item, int, bool, float, index) and
+    the ops whose output shape depends on tensor values (nonzero and kin): on an accelerator
+    each one waits for the device. (Indexing with a boolean mask is one too, and is not counted.)"""
 
-    READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__"}
+    READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "nonzero", "masked_select", "unique",
+             "argwhere"}
 
     def __init__(self):
         from torch.overrides import TorchFunctionMode
@@ -257,15 +259,19 @@ class _DeviceReads:
         self.n, self.mode = 0, Mode()
 
 
+@pytest.mark.parametrize("sampling_mode", ["coupled", "rng"])
 @pytest.mark.parametrize("dispatch", ["exact", "dense"])
 @pytest.mark.parametrize("mode, gamma", [("chain", 2), ("chain", 4), ("tree", 2), ("tree", 4)])
-def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, mode, gamma, dispatch, monkeypatch):
+def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, mode, gamma, dispatch, sampling_mode,
+                                                                   monkeypatch):
     """The reads left in a speculative step without admissions, chain or tree: one per MoE layer
     of the verify forward (the exact dispatch's group sizes; none with the dense dispatch, here
     on every block size) and the hand-back of tokens, counts and log-probs in one transfer.
     Every cache block's key length comes from the host (which also vouches for a draft tree's
-    windowed masks), and a tree's walk takes its depth bound from the drafted depth. A new read
-    fails here."""
+    windowed masks), and a tree's walk takes its depth and fan-out bounds from the drafted
+    depth and top-k. In rng mode (rejection sampling) a tree reads one more value: the width of
+    its verify block, which grows by the pruned siblings that must stay in the recursion. A new
+    read fails here."""
     from rollout.speculative import SpecSession
     from specrl.drafts import DraftTrainConfig, new_draft
     from target_training.model import MoE
@@ -286,11 +292,12 @@ def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, m
 
     monkeypatch.setattr(SpecSession, "step", counted)
     monkeypatch.setattr(MoE, "DENSE_DISPATCH_MAX_TOKENS", 10**6)
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch),
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch, sampling_mode=sampling_mode),
                             speculator=Speculator(draft, SpecConfig(mode, gamma)))
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2))
     assert not engine.draft_faults and len(counts) >= 5
-    assert set(counts) == {(n_moe if dispatch == "exact" else 0) + 1}
+    block_width = mode == "tree" and sampling_mode == "rng"
+    assert set(counts) == {(n_moe if dispatch == "exact" else 0) + 1 + block_width}
 
 
 @pytest.mark.parametrize("dispatch", ["exact", "dense"])
