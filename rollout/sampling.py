@@ -84,8 +84,10 @@ def process_logits(logits: torch.Tensor, temperature: float, top_k: int = 0, top
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Log-probs handed to the RL loss: log_softmax(logits / T) over the full vocabulary
     (T = 1 for greedy). The trainer recomputes exactly this."""
-    t = temperature if temperature > 0 else 1.0
-    return (logits.float() / t).log_softmax(-1)
+    x = logits.float()
+    if temperature > 0 and temperature != 1.0:  # dividing by 1 changes no bit: skip the op
+        x = x / temperature
+    return x.log_softmax(-1)
 
 
 def sample(logp: torch.Tensor, *, mode: str, generator: torch.Generator | None = None, seed: int = 0,

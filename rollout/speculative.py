@@ -14,8 +14,9 @@ RL loss sees exactly the numbers plain decoding would give (up to float reassoci
 """
 from __future__ import annotations
 
+import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -102,6 +103,7 @@ class SpecSession:
         self.max_len = max_len
         self.faulted = False
         self._prof = None  # the engine's StepProfiler during a step, if one is attached
+        self._last_commit = _Commit([], None, None)
 
     # -- hooks called by the engine -------------------------------------------------------
     def should_speculate(self, n_active: int) -> bool:
@@ -165,14 +167,14 @@ class SpecSession:
             prof.set_gamma(depth)
         L_max = cached_len(states)  # every block's key length from the host (KVCache.begin_block)
         h_last, q_last = self._feed_pending(slots, active, states)  # (B, H), (B, V)
-        bad = ~(q_last.amax() < float("inf"))  # a NaN (amax propagates it) or +inf; -inf marks non-draft tokens
+        draft_max = q_last.amax()  # NaN (amax propagates it) or +inf: a bad draft; -inf marks non-draft tokens
         ctx = _Sampling(params, engine, states, depth)
         roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
         tick(prof, "draft_features")
         block = self._chain_block if self.cfg.mode == "chain" else self._tree_block
         v = block(engine, cache, slots, L, L_max, roots, h_last, q_last, depth, ctx, params, capture, prefill)
         tick(prof, "accept")
-        return self._commit(engine, slots, active, states, params, capture, depth, v, bad)
+        return self._commit(engine, active, states, params, capture, depth, v, draft_max)
 
     def _chain_block(self, engine, cache, slots, L, L_max: int, roots, h_last, q_last, depth: int, ctx, params,
                      capture, prefill) -> "_Verified":
@@ -183,10 +185,8 @@ class SpecSession:
         out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill, key_len=L_max + depth + 1)
         tick(self._prof, "verify_forward")
         n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
-        steps = torch.arange(depth + 1, device=slots.device)
-        path = torch.where(steps <= n_acc[:, None], steps, -1)  # (B, g+1) accepted prefix, root first
         cache.rollback(slots, L + n_acc + 1, check=False)  # the accepted prefix is already contiguous
-        return _Verified(block_tokens, out, path, n_acc, next_tok, torch.full_like(n_acc, depth), prefix_path=True)
+        return _Verified(block_tokens, out, None, n_acc, next_tok, depth)
 
     def _tree_block(self, engine, cache, slots, L, L_max: int, roots, h_last, q_last, depth: int, ctx, params,
                     capture, prefill) -> "_Verified":
@@ -210,8 +210,8 @@ class SpecSession:
         cache.rollback(slots, L + n_keep, check=False)
         return _Verified(block_tokens, out, path, n_acc, next_tok, depths.masked_fill(~block_valid, 0).max(1).values)
 
-    def _commit(self, engine, slots, active, states, params: SamplingParams, capture: bool, depth: int,
-                v: "_Verified", bad: torch.Tensor) -> dict:
+    def _commit(self, engine, active, states, params: SamplingParams, capture: bool, depth: int,
+                v: "_Verified", draft_max: torch.Tensor) -> dict:
         """Accepted features to the draft, emitted tokens and log-probs to the slot states.
 
         Each slot emits its accepted drafts, then the target's own token; each token's log-prob
@@ -220,12 +220,12 @@ class SpecSession:
         and length budgets are then applied on the host by the engine's own token-by-token rule
         (`append_token`), on at most gamma + 1 tokens per row."""
         taps = engine.model.cfg.feature_layer_ids
-        path, n_acc, next_tok = v.path, v.n_acc, v.next_tok
-        B, W = path.shape
+        n_acc, next_tok = v.n_acc, v.next_tok
+        B, W = v.block_tokens.shape if v.path is None else v.path.shape
         n_keep = n_acc + 1  # (B,) root + accepted drafts = tokens emitted
 
         def along_path(x):  # (B, N, ...) -> (B, W, ...): the accepted nodes first; later entries are never read
-            return x if v.prefix_path else gather_path(path, x, fill=0)
+            return x if v.path is None else gather_path(v.path, x, fill=0)
 
         feats = along_path(v.out.features(taps))  # (B, W, 3H)
         emitted = torch.cat([along_path(v.block_tokens)[:, 1:], next_tok[:, None]], 1)  # (B, W)
@@ -233,13 +233,18 @@ class SpecSession:
         path_logits = along_path(v.out.logits)  # (B, W, V): the node before each token
         emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
         tick(self._prof, "cache_features")
-        rows = hand_back(emitted, n_keep, v.drafted_depths, bad.expand(B), emitted_lp)  # (B, 2W + 3)
-        if rows[0][W + 2]:
+        per_row_depths = isinstance(v.drafted_depths, torch.Tensor)
+        columns = (emitted, n_keep, draft_max.expand(B), emitted_lp) + ((v.drafted_depths,) if per_row_depths else ())
+        rows = hand_back(*columns)  # (B, 2W + 2), a tree's drafted depths last
+        if not rows[0][W + 1] < math.inf:  # NaN or +inf
             raise FloatingPointError("draft produced NaN or infinite logits")
         emitted_total = drafted_total = 0
+        self._last_commit = _Commit(list(active), feats, emitted)
         for r, (slot, st, row) in enumerate(zip(active, states, rows)):
-            k, drafted_depth, lp_row = int(row[W]), int(row[W + 1]), row[W + 3:]
+            k, lp_row = int(row[W]), row[W + 2:2 * W + 2]
+            drafted_depth = int(row[-1]) if per_row_depths else v.drafted_depths
             self.pending[slot] = [feats[r, :k]]
+            self._last_commit.runs.append(self.pending[slot][0])
             if capture:
                 st.features.append(feats[r, :k].to(torch.float16).cpu())
             if st.spec is not None:
@@ -271,16 +276,21 @@ class SpecSession:
         dtype = self.draft.fc.weight.dtype
         groups = fit_groups(D, counts, self.cache.max_len)
         h_last = q_last = None
+        steady = self._last_commit.block(active, self.pending, max(counts)) if len(groups) == 1 else None
         for rows in groups:
-            # every row padded to the group's longest run: (G, M, 3H) features, (G, M) tokens
-            hidden = torch.nn.utils.rnn.pad_sequence([feats[r] for r in rows], batch_first=True).to(dtype)
-            M = hidden.shape[1]
-            tokens = []
-            for r in rows:  # x_{D+1} .. x_L: sliced from prompt and answer, not a copy of the whole sequence
-                st, lo, n = states[r], D[r] + 1, counts[r]
-                P = len(st.prompt)
-                tokens.append(st.prompt[lo:lo + n] + st.tokens[max(lo - P, 0):max(lo + n - P, 0)] + [0] * (M - n))
-            ids = torch.tensor(tokens, device=slots.device)
+            if steady is not None:
+                hidden, ids = steady
+                hidden, M = hidden.to(dtype), ids.shape[1]
+            else:
+                # every row padded to the group's longest run: (G, M, 3H) features, (G, M) tokens
+                hidden = torch.nn.utils.rnn.pad_sequence([feats[r] for r in rows], batch_first=True).to(dtype)
+                M = hidden.shape[1]
+                tokens = []
+                for r in rows:  # x_{D+1} .. x_L: sliced from prompt and answer, not a copy of the whole sequence
+                    st, lo, n = states[r], D[r] + 1, counts[r]
+                    P = len(st.prompt)
+                    tokens.append(st.prompt[lo:lo + n] + st.tokens[max(lo - P, 0):max(lo + n - P, 0)] + [0] * (M - n))
+                ids = torch.tensor(tokens, device=slots.device)
             sel = None if len(groups) == 1 else torch.tensor(rows, device=slots.device)  # (G,) rows of this group
             idx = slots if sel is None else slots[sel]
             tick(self._prof, "draft_features")
@@ -410,16 +420,38 @@ def fit_groups(starts: list[int], counts: list[int], capacity: int) -> list[list
 
 
 @dataclass
+class _Commit:
+    """What the last step handed the draft: each active slot's pending run is row r of `feats`
+    (B, W, 3H), paired with the tokens `emitted` (B, W), sliced to its emitted count."""
+
+    active: list[int]
+    feats: torch.Tensor | None
+    emitted: torch.Tensor | None
+    runs: list[torch.Tensor] = field(default_factory=list)  # the slices handed out, in `active` order
+
+    def block(self, active: list[int], pending: list[list[torch.Tensor]], width: int):
+        """In the steady state (the same slots, in the same order, and nothing fed to their
+        pending runs since: no plain step, no admission) the next draft forward's padded block
+        IS these tensors' first `width` columns, with no copy: (B, width, 3H) features, (B,
+        width) tokens. The columns past a row's run hold other block nodes' values instead of
+        zeros; they sit after the row's last real position, so no real output sees them. Else None."""
+        if active != self.active or any(len(pending[s]) != 1 or pending[s][0] is not run
+                                        for s, run in zip(active, self.runs)):
+            return None
+        return self.feats[:, :width], self.emitted[:, :width]
+
+
+@dataclass
 class _Verified:
     """What a verify block leaves for `SpecSession._commit`."""
 
     block_tokens: torch.Tensor  # (B, N) root, then the drafted tokens / nodes
     out: object  # the target's ModelOutput over the block
-    path: torch.Tensor  # (B, W) accepted nodes, root first, -1 padded
+    path: torch.Tensor | None  # (B, W) accepted nodes, root first, -1 padded; None: the block's first
+    #                            n_acc + 1 nodes (chains), so nothing is gathered
     n_acc: torch.Tensor  # (B,) accepted drafts
     next_tok: torch.Tensor  # (B,) the target's own token after them
-    drafted_depths: torch.Tensor  # (B,) deepest drafted node along which acceptance was tested
-    prefix_path: bool = False  # the path is the block's first n_acc + 1 nodes (chains): no gather needed
+    drafted_depths: torch.Tensor | int  # (B,) deepest drafted node along which acceptance was tested (a chain: gamma)
 
 
 def _with_pruned_siblings(keep, keep_valid, cand_parents, cand_valid):

@@ -63,6 +63,34 @@ def test_coupled_sampling_identical_to_plain(sft_policy, offline_draft, mode):
     assert sum(t.spec.accepted for t in spec) > 0
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_steady_state_draft_block_drafts_what_the_padded_block_drafts(sft_policy, offline_draft, mode, monkeypatch):
+    """Between admissions a step feeds the draft the previous step's padded features and tokens
+    as they are (`_Commit.block`, no copy) instead of re-padding each slot's run with zeros. Every
+    drafted and accepted count is the same either way, and the shortcut is really taken."""
+    from rollout.speculative import _Commit
+
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 40)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=4)
+    block, taken = _Commit.block, []
+
+    def counted(self, *args):
+        out = block(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_Commit, "block", counted)
+    steady = _engine(policy, 4, offline_draft, mode).generate(prompts, params)
+    monkeypatch.setattr(_Commit, "block", lambda self, *args: None)
+    padded = _engine(policy, 4, offline_draft, mode).generate(prompts, params)
+    assert [t.token_ids for t in steady] == [t.token_ids for t in padded]
+    assert [t.spec.drafted_per_pos for t in steady] == [t.spec.drafted_per_pos for t in padded]
+    assert [t.spec.accepted_per_pos for t in steady] == [t.spec.accepted_per_pos for t in padded]
+    assert sum(t.spec.accepted for t in steady) > len(steady)  # the draft is good enough for the counts to matter
+    assert sum(taken) > len(taken) / 2 and not all(taken)  # the shortcut, and admissions that skip it
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_dense_moe_dispatch_decodes_what_exact_decodes(sft_policy, offline_draft, temperature, monkeypatch):
     """EngineConfig(moe_dispatch="dense") changes how small blocks compute the MoE, not what the
