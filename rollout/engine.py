@@ -208,13 +208,13 @@ class EmbeddedEngine:
                 if spec is not None and spec.should_speculate(len(active)):
                     if prof is not None:
                         prof.begin("spec", len(active), prefill is not None)
-                    L = cache.lengths[torch.tensor(active)].clone()
+                    lengths = [s.n_cached for s in act_states]  # to roll back to after a fault (host values)
                     try:
                         result = spec.step(self, cache, active, act_states, params, capture_features, prefill)
                         spec.observe(len(active), time.perf_counter() - t_step, result)
                         kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
-                        cache.rollback(torch.tensor(active), L)
+                        cache.rollback(torch.tensor(active), torch.tensor(lengths))
                         spec.on_fault(err)
                         self._decode_step(cache, active, act_states, params, capture_features, spec,
                                           None if prefill is None or prefill.done else prefill)

@@ -406,6 +406,8 @@ def fit_groups(starts: list[int], counts: list[int], capacity: int) -> list[list
     so it needs max(starts) + max(counts) <= capacity. Every row fits on its own (the engine
     never lets a slot outgrow its cache). Greedy: take the row with the most entries, then every
     other row that fits beside it; repeat. One group whenever everything fits together."""
+    if max(starts) + max(counts) <= capacity:  # the common case: everything fits together
+        return [list(range(len(counts)))]
     order = sorted(range(len(counts)), key=lambda r: (-counts[r], r))
     groups: list[list[int]] = []
     while order:
