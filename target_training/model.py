@@ -140,10 +140,14 @@ class KVCache:
     def rollback(self, slots: torch.Tensor, lengths: torch.Tensor, check: bool = True) -> None:
         """Truncate each slot to the given length (must not exceed its current length).
         `check=False` skips the range check (a host sync on an accelerator) for callers whose
-        lengths are right by construction (the speculative step's own rollbacks)."""
+        lengths are right by construction (the speculative step's own rollbacks); they pass
+        tensors on the cache's device, so the write is one indexed assignment."""
+        if not check:
+            self.lengths[slots] = lengths
+            return
         slots = torch.as_tensor(slots, device=self.lengths.device)
         lengths = torch.as_tensor(lengths, device=self.lengths.device, dtype=torch.long).expand_as(slots)
-        if check and (bool((lengths > self.lengths[slots]).any()) or bool((lengths < 0).any())):
+        if bool((lengths > self.lengths[slots]).any()) or bool((lengths < 0).any()):
             raise ValueError("KVCache.rollback: new length must lie in [0, current length]")
         self.lengths[slots] = lengths
 
