@@ -235,7 +235,7 @@ class SpecSession:
         tick(self._prof, "cache_features")
         per_row_depths = isinstance(v.drafted_depths, torch.Tensor)
         columns = (emitted, n_keep, draft_max.expand(B), emitted_lp) + ((v.drafted_depths,) if per_row_depths else ())
-        rows = hand_back(*columns)  # (B, 2W + 2), a tree's drafted depths last
+        rows = hand_back(*columns)  # (B, 2W + 2), plus a last column for a tree's drafted depths
         if not rows[0][W + 1] < math.inf:  # NaN or +inf
             raise FloatingPointError("draft produced NaN or infinite logits")
         emitted_total = drafted_total = 0
