@@ -15,8 +15,9 @@ nothing in it is dynamic:
 
 and only where it measured faster on the CPU it was tuned on: blocks of at most MAX_ROWS rows
 (an 8-row decode block ran 0.89-1.10x as fast compiled, a 16-row one 0.53-0.66x). Prompts
-(prefill, alone or riding along) and larger blocks run eagerly. The draft stays eager: compiling its steps the same way made no
-measurable difference to a chain step inside the engine (README).
+(prefill, alone or riding along) and larger blocks run eagerly. The draft stays eager:
+compiling its chain steps the same way gained 1-8% at 1-4 rows in most runs, lost in others,
+and lost at 16 (README, experiments/compile_draft.py's `static` arm).
 
 If compiling or running a shape fails, that shape runs eagerly from then on and the error is
 kept in `failures`: the compiled path can make a step faster, never stop a rollout. Weights are

@@ -168,9 +168,12 @@ def test_compiled_draft_measurement(sft_policy, tmp_path):
     summary = run(tmp_path, preset="ci", batches=(2,), repeats=1, prompts_per_batch=2, cache_dir=sft_policy[3],
                   log=lambda *a: None)
     rows = {r["arm"]: r for r in summary["rows"]}
-    assert set(rows) == {"plain", "eager", "compiled"}
+    assert set(rows) == {"plain", "eager", "compiled", "static"}
     assert all(r["identical_to_plain"] and r["tokens_per_s"] > 0 for r in rows.values())
-    assert rows["compiled"]["engine_steps"] > 0 and rows["compiled"]["compile_warmup_s"] > 0
+    for arm in ("compiled", "static"):
+        assert rows[arm]["engine_steps"] > 0 and rows[arm]["compile_warmup_s"] > 0
+    for arm in ("eager", "static"):  # the profiled run's full-batch phases
+        assert rows[arm]["draft_ms"] > 0 and rows[arm]["verify_forward_ms"] > 0
     assert json.loads((tmp_path / "summary.json").read_text())["rows"] == summary["rows"]
 
 
