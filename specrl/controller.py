@@ -102,6 +102,30 @@ class _Ema:
         return [self.value, self.n, self.mass]
 
 
+class _StepTime(_Ema):
+    """Seconds per step of one arm: an EMA of the median of its last three measured steps (their
+    minimum while fewer are in). A step the OS preempts, or one that carries an admission's
+    prefill, is an isolated long sample, not a property of the arm. Fed to the EMA as it was,
+    one 4x step moved the estimate up by 60%, and an arm that looks slower is re-measured only
+    once per `explore_every` decisions, so it stayed abandoned (test_controller). A lasting
+    change passes the filter from its second step on."""
+
+    __slots__ = ("recent",)
+    WINDOW = 3
+
+    def __init__(self, value: float = 0.0, n: int = 0, mass: float | None = None, recent=()):
+        super().__init__(value, n, mass)
+        self.recent = [float(x) for x in recent][-self.WINDOW:]
+
+    def update(self, x: float, w: float, mass: float = 1.0) -> None:
+        self.recent = (self.recent + [float(x)])[-self.WINDOW:]
+        ordered = sorted(self.recent)
+        super().update(ordered[1] if len(ordered) == self.WINDOW else ordered[0], w, mass)
+
+    def state(self) -> list:
+        return [*super().state(), list(self.recent)]
+
+
 class _Alpha:
     """Per-token acceptance from EMAs of accepted / drafted and of drafted per sequence,
     inverted through the chain model when read (inverting each step first would be biased: the
@@ -135,8 +159,8 @@ _PER_ARM = ("spec", "acc", "fit", "model")
 
 class _Bucket:
     def __init__(self, gammas):
-        self.plain = _Ema()  # seconds per plain step
-        self.spec = {g: _Ema() for g in gammas}  # seconds per speculative step
+        self.plain = _StepTime()  # seconds per plain step
+        self.spec = {g: _StepTime() for g in gammas}  # seconds per speculative step
         self.reset_acceptance(gammas)
         self.decisions = self.rr = self.since = self.rotate = 0
 
@@ -150,9 +174,10 @@ class _Bucket:
         return {"plain": self.plain.state(), "counters": [self.decisions, self.rr, self.since, self.rotate], **per_arm}
 
     def load(self, s: dict) -> None:
-        self.plain = _Ema(*s["plain"])
+        self.plain = _StepTime(*s["plain"])  # states saved before the filter lack `recent`: empty
         for k in _PER_ARM:
-            setattr(self, k, {int(g): _Ema(*v) for g, v in s[k].items()})
+            kind = _StepTime if k == "spec" else _Ema
+            setattr(self, k, {int(g): kind(*v) for g, v in s[k].items()})
         self.decisions, self.rr, self.since, self.rotate = (int(x) for x in s["counters"])
 
 
