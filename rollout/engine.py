@@ -67,6 +67,13 @@ class EngineConfig:
     # compile the target's decode and verify forwards of small blocks into static graphs
     # (rollout.compiled: dense MoE dispatch, fixed key count, eager fallback per shape)
     compile_forwards: bool = False
+    # admitted prompts ride along in a step's forward only if that adds at most this many
+    # padding tokens: fusing pads every decode row to the prompt's width (and the prompt to the
+    # verify block's), and past about 100 padding tokens the one forward costs more than the
+    # two it replaces (quick model on the 2-core CPU: 80 padding tokens x0.96 of the two
+    # forwards' time, 120 x1.08-1.09, 160 x1.13-1.27, 640 at batch 64 x2.08; README). 0: only
+    # when nothing is padded. A model whose forwards cost little per token (a GPU) gains from more.
+    fuse_max_padding: int = 96
 
     def __post_init__(self) -> None:
         if not 0 < self.max_batch <= MAX_BATCH:
@@ -78,6 +85,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_len must be positive, got {self.max_len}")
         if not isinstance(self.compile_forwards, bool):
             raise ValueError(f"EngineConfig.compile_forwards must be True or False, got {self.compile_forwards!r}")
+        if isinstance(self.fuse_max_padding, bool) or not isinstance(self.fuse_max_padding, int) \
+                or self.fuse_max_padding < 0:
+            raise ValueError(f"EngineConfig.fuse_max_padding must be an integer >= 0, got {self.fuse_max_padding!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"EngineConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         if self.sampling_mode not in ("coupled", "rng"):
@@ -196,7 +206,8 @@ class EmbeddedEngine:
             new = {i for i, _ in admit}
             active = self._decoding(slots, n_decode, new)
             prefill = self._plan_prefill(admit) if admit else None
-            if prefill is not None and not self._can_fuse(cache, [slots[i] for i in active], prefill, slack):
+            if prefill is not None and not self._can_fuse(cache, [slots[i] for i in active], prefill, slack,
+                                                          spec.block_width() if spec is not None else 1):
                 # nothing to fuse with, or no room: prefill on its own; the new requests join this step
                 self._run_prefill(cache, prefill, params, capture_features, spec)
                 prefill = None
@@ -270,13 +281,19 @@ class EmbeddedEngine:
         lens = torch.tensor([len(s.prompt) for _, s in admit], device=self.device)
         return Prefill(slot_ids, ids, lens, [s for _, s in admit], [i for i, _ in admit])
 
-    def _can_fuse(self, cache: KVCache, states: list[SlotState], prefill: "Prefill", slack: int) -> bool:
-        """Whether the prompts can ride along the forward of the step decoding `states`: the
-        step's rows are padded to the longest prompt, so each must have that much room left in
-        its slot (lengths from the host, `cached_len`)."""
+    def _can_fuse(self, cache: KVCache, states: list[SlotState], prefill: "Prefill", slack: int,
+                  width: int = 1) -> bool:
+        """Whether the prompts ride along the forward of the step decoding `states`, whose blocks
+        are about `width` tokens wide (1 plain, a verify block speculating): only if padding every
+        row to the widest adds at most `EngineConfig.fuse_max_padding` tokens, and every row has
+        the padded width's room left in its slot (lengths from the host, `cached_len`)."""
         if not states:
             return False
-        return cache.max_len - cached_len(states) >= max(prefill.ids.shape[1], slack, 1)
+        prompt_width = prefill.ids.shape[1]
+        padding = len(states) * max(prompt_width - width, 0) + len(prefill.states) * max(width - prompt_width, 0)
+        if padding > self.config.fuse_max_padding:
+            return False
+        return cache.max_len - cached_len(states) >= max(prompt_width, slack, 1)
 
     def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
         cache.reset(prefill.slots)

@@ -90,6 +90,12 @@ class Speculator:
             return depth + 1
         return 1 + c.tree_topk + (depth - 1) * c.tree_topk ** 2  # every drafted candidate, at worst
 
+    def verify_width(self) -> int:
+        """Tokens per row in a verify block of the configured shape: a chain's root and gamma
+        drafts, a tree's root and up to `tree_budget` nodes."""
+        c = self.config
+        return 1 + (c.gamma if c.mode == "chain" else c.tree_budget)
+
     def begin(self, n_slots: int, max_len: int) -> "SpecSession":
         return SpecSession(self, n_slots, max_len + self.block_slack())
 
@@ -111,6 +117,11 @@ class SpecSession:
             return False
         ctrl = self.spec.controller
         return ctrl.should_speculate(n_active) if ctrl is not None else True
+
+    def block_width(self) -> int:
+        """About how many tokens per row the next step's target forward carries (the engine's
+        fusion budget, EmbeddedEngine._can_fuse): a verify block, or 1 once speculation is off."""
+        return self.spec.verify_width() if self.spec.enabled and not self.faulted else 1
 
     def depth(self) -> int:
         ctrl = self.spec.controller

@@ -209,8 +209,8 @@ def test_prefill_fused_into_the_step_changes_nothing(sft_policy, offline_draft, 
     fused_calls, refused = [], []
     can_fuse = EmbeddedEngine._can_fuse
 
-    def spy(self, cache, active, prefill, slack):
-        ok = can_fuse(self, cache, active, prefill, slack)
+    def spy(self, cache, active, prefill, slack, width=1):
+        ok = can_fuse(self, cache, active, prefill, slack, width)
         (fused_calls if ok else refused).append(len(active))
         return ok
 
@@ -229,6 +229,45 @@ def test_prefill_fused_into_the_step_changes_nothing(sft_policy, offline_draft, 
         assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
         assert a.features.shape == b.features.shape
         assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode", [None, "chain"])
+def test_prompts_fuse_only_within_the_padding_budget(sft_policy, offline_draft, mode, monkeypatch):
+    """A prompt rides along a step only if padding the step's rows to its width (and it to the
+    verify block's) adds at most EngineConfig.fuse_max_padding tokens; past that it is
+    prefilled on its own, with the same tokens and log-probs. The budget is checked on the
+    padding the engine really builds: every fused step's forward carries at most that many."""
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 24)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    spec_cfg = SPEC_CONFIGS[mode] if mode else None
+    width = Speculator(offline_draft, spec_cfg).verify_width() if mode else 1
+    forward = EmbeddedEngine.forward
+    out, paddings = {}, {}
+    for budget in (0, 20, 1000):
+        seen = paddings[budget] = []
+
+        def spy(self, cache, slots, ids, params, capture, spec, prefill=None, **kw):
+            if prefill is not None:  # the padding this fused forward adds over the two it replaces
+                B, T = ids.shape
+                n, W = prefill.ids.shape
+                seen.append(B * max(W - T, 0) + n * max(T - W, 0))
+            return forward(self, cache, slots, ids, params, capture, spec, prefill, **kw)
+
+        monkeypatch.setattr(EmbeddedEngine, "forward", spy)
+        spec = Speculator(offline_draft, spec_cfg) if mode else None
+        engine = EmbeddedEngine(policy, EngineConfig(max_batch=8, fuse_max_padding=budget), speculator=spec)
+        out[budget] = engine.generate(prompts, params)
+        assert all(p <= budget for p in seen), (budget, seen)
+    widths = {len(p) for p in prompts}
+    assert max(widths) - width > 0  # the prompts are wider than the step's blocks: fusing pads
+    assert paddings[1000] and max(paddings[1000]) > 20 and len(paddings[20]) < len(paddings[1000])
+    for budget in (0, 20):
+        assert [t.token_ids for t in out[budget]] == [t.token_ids for t in out[1000]]
+        for a, b in zip(out[budget], out[1000]):
+            assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
+    with pytest.raises(ValueError, match="EngineConfig.fuse_max_padding must be an integer >= 0"):
+        EngineConfig(fuse_max_padding=-1)
 
 
 @pytest.mark.parametrize("mode", [None, "chain"])
