@@ -120,7 +120,9 @@ class SpecSession:
 
     def block_width(self) -> int:
         """About how many tokens per row the next step's target forward carries (the engine's
-        fusion budget, EmbeddedEngine._can_fuse): a verify block, or 1 once speculation is off."""
+        fusion budget, EmbeddedEngine._can_fuse): a verify block, or 1 once speculation is off.
+        An estimate: the engine asks before the step's decision, and a controller may still
+        choose a plain step or a shorter chain."""
         return self.spec.verify_width() if self.spec.enabled and not self.faulted else 1
 
     def depth(self) -> int:
