@@ -47,6 +47,7 @@ def hand_back(*columns: torch.Tensor) -> list[list[float]]:
 
 
 MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
+CPU_FUSE_MAX_PADDING = 96  # EngineConfig.fuse_max_padding's default on CPU (measured there)
 
 
 @dataclass
@@ -72,8 +73,10 @@ class EngineConfig:
     # verify block's), and past about 100 padding tokens the one forward costs more than the
     # two it replaces (quick model on the 2-core CPU: 80 padding tokens x0.96 of the two
     # forwards' time, 120 x1.08-1.09, 160 x1.13-1.27, 640 at batch 64 x2.08; README). 0: only
-    # when nothing is padded. A model whose forwards cost little per token (a GPU) gains from more.
-    fuse_max_padding: int = 96
+    # when nothing is padded. None (the default): 96 on CPU, where it was measured; no limit on
+    # an accelerator, as before the budget existed (a padding token costs less there next to a
+    # forward's launches; not measured).
+    fuse_max_padding: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.max_batch <= MAX_BATCH:
@@ -85,9 +88,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_len must be positive, got {self.max_len}")
         if not isinstance(self.compile_forwards, bool):
             raise ValueError(f"EngineConfig.compile_forwards must be True or False, got {self.compile_forwards!r}")
-        if isinstance(self.fuse_max_padding, bool) or not isinstance(self.fuse_max_padding, int) \
-                or self.fuse_max_padding < 0:
-            raise ValueError(f"EngineConfig.fuse_max_padding must be an integer >= 0, got {self.fuse_max_padding!r}")
+        if self.fuse_max_padding is not None and (isinstance(self.fuse_max_padding, bool)
+                                                  or not isinstance(self.fuse_max_padding, int)
+                                                  or self.fuse_max_padding < 0):
+            raise ValueError(f"EngineConfig.fuse_max_padding must be None or an integer >= 0, "
+                             f"got {self.fuse_max_padding!r}")
         if self.moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"EngineConfig.moe_dispatch must be one of {MOE_DISPATCHES}, got {self.moe_dispatch!r}")
         if self.sampling_mode not in ("coupled", "rng"):
@@ -285,13 +290,16 @@ class EmbeddedEngine:
                   width: int = 1) -> bool:
         """Whether the prompts ride along the forward of the step decoding `states`, whose blocks
         are about `width` tokens wide (1 plain, a verify block speculating): only if padding every
-        row to the widest adds at most `EngineConfig.fuse_max_padding` tokens, and every row has
-        the padded width's room left in its slot (lengths from the host, `cached_len`)."""
+        row to the widest adds at most `EngineConfig.fuse_max_padding` tokens (where limited), and
+        every row has the padded width's room left in its slot (lengths from the host, `cached_len`)."""
         if not states:
             return False
         prompt_width = prefill.ids.shape[1]
         padding = len(states) * max(prompt_width - width, 0) + len(prefill.states) * max(width - prompt_width, 0)
-        if padding > self.config.fuse_max_padding:
+        limit = self.config.fuse_max_padding
+        if limit is None and self.device.type == "cpu":  # the default: measured on CPU only
+            limit = CPU_FUSE_MAX_PADDING
+        if limit is not None and padding > limit:
             return False
         return cache.max_len - cached_len(states) >= max(prompt_width, slack, 1)
 

@@ -266,8 +266,32 @@ def test_prompts_fuse_only_within_the_padding_budget(sft_policy, offline_draft, 
         assert [t.token_ids for t in out[budget]] == [t.token_ids for t in out[1000]]
         for a, b in zip(out[budget], out[1000]):
             assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
-    with pytest.raises(ValueError, match="EngineConfig.fuse_max_padding must be an integer >= 0"):
-        EngineConfig(fuse_max_padding=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="EngineConfig.fuse_max_padding must be None or an integer >= 0"):
+            EngineConfig(fuse_max_padding=bad)
+
+
+def test_the_default_padding_budget_is_the_measured_one_on_cpu(sft_policy, monkeypatch):
+    """EngineConfig.fuse_max_padding=None: the CPU default (measured there), no limit elsewhere."""
+    from rollout import engine as engine_module
+
+    tokenizer, task, policy, _ = sft_policy
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=8))
+    assert EngineConfig().fuse_max_padding is None and engine.device.type == "cpu"
+    monkeypatch.setattr(engine_module, "CPU_FUSE_MAX_PADDING", 7)
+    decisions = []
+    can_fuse = EmbeddedEngine._can_fuse
+
+    def spy(self, cache, states, prefill, slack, width=1):
+        padding = len(states) * max(prefill.ids.shape[1] - width, 0)
+        decisions.append((padding, can_fuse(self, cache, states, prefill, slack, width)))
+        return decisions[-1][1]
+
+    monkeypatch.setattr(EmbeddedEngine, "_can_fuse", spy)
+    params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    engine.generate(_prompts(tokenizer, task, 24), params)
+    assert all(fused == (0 < padding <= 7) for padding, fused in decisions if padding), decisions
+    assert any(p > 7 for p, _ in decisions)  # the budget was tested, not just met
 
 
 @pytest.mark.parametrize("mode", [None, "chain"])
