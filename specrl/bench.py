@@ -391,8 +391,16 @@ def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperat
     return policy, draft, params, prompts_for
 
 
+def significant(v: float, digits: int = 6) -> float:
+    """v to `digits` significant digits: a row's step times are a few milliseconds in seconds,
+    which a fixed number of decimals would round to a tenth of a millisecond (several percent
+    of a draft step) and leave the saved costs unable to reproduce the saved bound."""
+    return float(f"{v:.{digits}g}")
+
+
 def save_summary(out_dir, summary: dict) -> dict:
-    summary["rows"] = [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in summary["rows"]]
+    summary["rows"] = [{k: (significant(v) if isinstance(v, float) else v) for k, v in r.items()}
+                       for r in summary["rows"]]
     summary["machine"] = machine_info()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,9 @@ def test_speed_sweep(sft_policy, tmp_path):
             r["accept_length"] / (r["verify_cost_median"] + r["gamma"] * r["c_median"]), rel=1e-3)
         assert r["efficiency_median"] == pytest.approx(r["speedup_median"] / r["bound_median"], rel=1e-3)
         assert r["speedup_median"] == pytest.approx(r["speedup"], rel=1e-3)  # one repeat: best = median
+        # the saved step times (seconds, a few ms or less) reproduce the saved ratios: not rounded away
+        assert r["verify_s"] / r["target_step_s"] == pytest.approx(r["verify_cost"], rel=1e-4)
+        assert r["draft_step_s"] / r["target_step_s"] == pytest.approx(r["c"], rel=1e-4)
     for name in ("speedup_vs_gamma.png", "speedup_vs_tree_budget.png", "speedup_vs_batch.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
