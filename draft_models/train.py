@@ -4,12 +4,19 @@
 and keeps, per sequence, the fused features (bf16/fp16) and the target's log-probs at the draft
 vocabulary (fp16, not renormalised). `train_offline` trains the draft's own parameters on those
 records with AdamW and `ttt_loss`. Both are generic: callers choose data, sizes and logging.
+
+`draft_update_step` is the one draft update (loss -> backward -> clip -> step), shared by
+`train_offline`, the online trainer (specrl/online_trainer.py) and its data-parallel DeepSpeed
+variant (specrl/deepspeed_backend.py); what differs between them, how the loss is run and the
+gradients applied, is a `GradientBackend`.
 """
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -68,11 +75,12 @@ def capture_features(target_model, sequences: Sequence[Sequence[int]], loss_mask
     return records
 
 
-def collate(records: Sequence[dict], device=None, dtype: torch.dtype = torch.float32) -> dict:
-    """Right-pad records to a batch: input_ids 0, features 0, target_logp 0, loss_mask False."""
+def collate(records: Sequence[dict], device=None, dtype: torch.dtype = torch.float32, *, soft: bool = True) -> dict:
+    """Right-pad records to a batch: input_ids 0, features 0, target_logp 0, loss_mask False.
+    target_logp is None (hard labels) when `soft` is False or the first record has none."""
     T = max(int(r["input_ids"].shape[0]) for r in records)
     B = len(records)
-    f0, l0 = records[0]["features"], records[0].get("target_logp")
+    f0, l0 = records[0]["features"], records[0].get("target_logp") if soft else None
     ids = torch.zeros(B, T, dtype=torch.long)
     feats = torch.zeros(B, T, f0.shape[-1], dtype=dtype)
     mask = torch.zeros(B, T, dtype=torch.bool)
@@ -88,6 +96,100 @@ def collate(records: Sequence[dict], device=None, dtype: torch.dtype = torch.flo
     return {k: (v.to(device) if v is not None and device is not None else v) for k, v in out.items()}
 
 
+# ---------------------------------------------------------------------- one draft update
+def warmup_lr(lr: float, warmup: int, updates_done: int) -> float:
+    """Learning rate of the next update: linear warm-up over `warmup` updates, then flat."""
+    return lr * min(1.0, (updates_done + 1) / warmup) if warmup > 0 else lr
+
+
+def set_lr(optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+class GradientBackend(Protocol):
+    """How a draft update runs its loss and applies its gradients."""
+
+    def loss(self, features, input_ids, target_logp, loss_mask, steps, acceptance_weight) -> tuple[torch.Tensor, dict]:
+        """`ttt_loss` of the draft on a collated batch: (scalar loss, its metrics)."""
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Gradients of `loss`, clipped where clipping comes before the step; False when they are
+        unusable (a non-finite norm) and the update must be skipped."""
+
+    def step(self, lr: float) -> None:
+        """Apply the gradients at learning rate `lr`."""
+
+    def discard(self) -> None:
+        """Drop the gradients of an update that is skipped, where the backend needs it (a
+        backend that zeroes gradients before every backward may do nothing)."""
+
+    def grad_norm(self) -> float:
+        """The gradient norm of the last backward, before clipping."""
+
+
+class TorchBackend:
+    """Plain PyTorch: AdamW (betas 0.9, 0.95) over `params`, gradient-norm clipping at
+    `max_grad_norm` (inf: measured, never clipped). Gradients are zeroed before each backward
+    and left in place after a step (the owner may drop them)."""
+
+    def __init__(self, draft, params: list[torch.nn.Parameter], *, lr: float, weight_decay: float,
+                 max_grad_norm: float):
+        self.draft, self.params, self.max_grad_norm = draft, params, max_grad_norm
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+        self._grad_norm = float("nan")
+
+    def loss(self, features, input_ids, target_logp, loss_mask, steps, acceptance_weight):
+        return ttt_loss(self.draft, features, input_ids, target_logp, loss_mask, steps=steps,
+                        acceptance_weight=acceptance_weight)
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self._grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        return math.isfinite(self._grad_norm)
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def discard(self) -> None:
+        pass  # backward zeroes the gradients first
+
+    def grad_norm(self) -> float:
+        return self._grad_norm
+
+
+@dataclass
+class DraftUpdate:
+    """What one draft update did."""
+
+    metrics: dict  # ttt_loss's: loss, ce_k, acc_k, accept_k, n_k
+    grad_norm: float  # before clipping; nan when the loss was not finite (no backward ran)
+    applied: bool  # False: a non-finite loss or gradient norm skipped it, the weights are untouched
+
+
+def draft_update_step(backend: GradientBackend, batch: dict, *, lr: float, ttt_steps: int | None = None,
+                      acceptance_weight: float = 0.0, agree: Callable[[bool], bool] | None = None) -> DraftUpdate:
+    """One TTT update of the draft on a collated batch (see `collate`): loss -> backward ->
+    clip -> step at `lr`. A non-finite loss skips the backward, a non-finite gradient norm the
+    step. `agree` turns this process's verdict on the loss into every rank's (data parallel: an
+    all-reduced AND), so that all ranks skip together."""
+    loss, metrics = backend.loss(batch["features"], batch["input_ids"], batch["target_logp"], batch["loss_mask"],
+                                 ttt_steps, acceptance_weight)
+    ok = math.isfinite(metrics["loss"])
+    if agree is not None:
+        ok = agree(ok)
+    backward_ran = ok
+    if ok:
+        ok = backend.backward(loss)
+    if ok:
+        backend.step(lr)
+    else:
+        backend.discard()
+    return DraftUpdate(metrics, backend.grad_norm() if backward_ran else float("nan"), ok)
+
+
 def train_offline(draft, data: Sequence[dict], steps: int, lr: float, batch_size: int, seed: int = 0, *,
                   ttt_steps: int | None = None, weight_decay: float = 0.0, grad_clip: float = 1.0,
                   warmup: int = 0, acceptance_weight: float = 0.0, soft_targets: bool = True,
@@ -99,7 +201,8 @@ def train_offline(draft, data: Sequence[dict], steps: int, lr: float, batch_size
     if steps < 0 or batch_size <= 0 or not lr > 0:
         raise ValueError(f"bad training settings: steps={steps}, batch_size={batch_size}, lr={lr}")
     params = [p for p in draft.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.95))
+    backend = TorchBackend(draft, params, lr=lr, weight_decay=weight_decay,
+                           max_grad_norm=grad_clip if grad_clip > 0 else float("inf"))
     gen = torch.Generator().manual_seed(seed)
     device, dtype = draft.fc.weight.device, draft.fc.weight.dtype
     order: list[int] = []
@@ -110,19 +213,11 @@ def train_offline(draft, data: Sequence[dict], steps: int, lr: float, batch_size
         if len(order) < batch_size:
             order += torch.randperm(len(data), generator=gen).tolist() * max(1, math.ceil(batch_size / len(data)))
         idx, order = order[:batch_size], order[batch_size:]
-        batch = collate([data[i] for i in idx], device, dtype)
-        cur_lr = lr * min(1.0, (step + 1) / warmup) if warmup > 0 else lr
-        for g in opt.param_groups:
-            g["lr"] = cur_lr
-        loss, metrics = ttt_loss(draft, batch["features"], batch["input_ids"],
-                                 batch["target_logp"] if soft_targets else None, batch["loss_mask"],
-                                 steps=ttt_steps, acceptance_weight=acceptance_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        if torch.isfinite(gnorm):
-            opt.step()
-        metrics.update(step=step, lr=cur_lr, grad_norm=float(gnorm), seconds=time.perf_counter() - t0)
+        batch = collate([data[i] for i in idx], device, dtype, soft=soft_targets)
+        cur_lr = warmup_lr(lr, warmup, step)
+        update = draft_update_step(backend, batch, lr=cur_lr, ttt_steps=ttt_steps, acceptance_weight=acceptance_weight)
+        metrics = update.metrics
+        metrics.update(step=step, lr=cur_lr, grad_norm=update.grad_norm, seconds=time.perf_counter() - t0)
         history.append(metrics)
         if log_fn is not None:
             log_fn(metrics)

@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     api = [
         ("SpecConfig(gamma=10**7)", "from rollout.speculative import SpecConfig as C; C(gamma=10**7)"),
         ("SpecConfig(mode='tree', tree_budget=10**7)", "from rollout.speculative import SpecConfig as C; C(mode='tree', tree_budget=10**7)"),
-        ("OnlineDraftConfig(batch_size=10**9)", "from specrl.online_trainer import OnlineDraftConfig as C; C(batch_size=10**9)"),
+        ("OnlineDraftConfig(batch_size=10**9)", "from specrl.config import OnlineDraftConfig as C; C(batch_size=10**9)"),
         ("SamplingParams(temperature=float('nan'))", "from rollout.protocol import SamplingParams as S; S(temperature=float('nan'))"),
         ("EngineConfig(max_batch=10**9)", "from rollout.engine import EngineConfig as E; E(max_batch=10**9)"),
     ]
@@ -156,7 +156,8 @@ def main(argv=None) -> int:
     flip = (
         "import sys, torch\n"
         "from draft_models.checkpoint import save_draft, load_draft, DraftCheckpointError\n"
-        "from specrl.drafts import new_draft, DraftTrainConfig\n"
+        "from specrl.config import DraftTrainConfig\n"
+        "from specrl.drafts import new_draft\n"
         "from target_training.config import model_config_for\n"
         "p = model_config_for('tiny', 64).build(); d = new_draft(p, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=16))\n"
         f"out = save_draft(d, '{w}/draft'); f = out / 'model.safetensors'; b = bytearray(f.read_bytes())\n"

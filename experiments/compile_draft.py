@@ -29,11 +29,11 @@ import time
 import torch
 
 from experiments import batch_sweep_main
+from experiments.bench.common import profiled_run, save_summary, speed_setup, timed_generate_interleaved
 from rollout.compiled import RECOMPILE_LIMIT
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens
-from rollout.speculative import SpecConfig, SpecSession, Speculator
-from specrl.bench import profiled_run, save_summary, speed_setup, timed_generate_interleaved
+from rollout.speculative import Eagle3Proposer, SpecConfig, Speculator
 
 
 def _whole_cache_step(draft, tokens, hidden, cache, slots):
@@ -42,11 +42,15 @@ def _whole_cache_step(draft, tokens, hidden, cache, slots):
     return prenorm, draft.to_target_logits(logits)
 
 
-class _StaticStepSession(SpecSession):
+class _StaticStepProposer(Eagle3Proposer):
+    def __init__(self, static_step, *args):
+        super().__init__(*args)
+        self.static_step = static_step
+
     def _draft_step(self, slots, key_len: int, hidden, tokens, positions=None, mask=None):
         if positions is None and mask is None and tokens.shape[1] == 1:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):  # a graph per row count
-                return self.spec.static_step(self.draft, tokens, hidden, self.cache, slots)
+                return self.static_step(self.draft, tokens, hidden, self.cache, slots)
         return super()._draft_step(slots, key_len, hidden, tokens, positions, mask)
 
 
@@ -54,11 +58,9 @@ class StaticStepSpeculator(Speculator):
     """A Speculator whose chain draft steps run as static compiled graphs (the `static` arm)."""
 
     def __init__(self, draft, config: SpecConfig):
-        super().__init__(draft, config)
-        self.static_step = torch.compile(_whole_cache_step, dynamic=False, fullgraph=True)
-
-    def begin(self, n_slots: int, max_len: int) -> SpecSession:
-        return _StaticStepSession(self, n_slots, max_len + self.block_slack())
+        static_step = torch.compile(_whole_cache_step, dynamic=False, fullgraph=True)
+        super().__init__(draft, config, proposer=lambda n_slots, max_len: _StaticStepProposer(
+            static_step, self.draft, self.config, n_slots, max_len))
 
 
 def phase_medians(engine, prompts, params, batch: int) -> dict:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from experiments import batch_sweep_main
-from specrl.bench import preset_chain_length, save_summary, speed_setup
+from experiments.bench.common import preset_chain_length, save_summary, speed_setup
 from rollout.compiled import RECOMPILE_LIMIT
 from target_training.model import KVCache, MoE
 

@@ -16,6 +16,14 @@ Decoding is sampled at the rollout temperature with counter-based noise, so ever
 exactly the same tokens (speculation is lossless) and only accept length and speed differ.
 Drift is measured as the policy's token-level KL from its starting point on plain's samples.
 
+The engine (`engine`, "embedded" or "vllm") is how the arms are built and decode
+(`EmbeddedDecoding`, `VLLMDecoding`); the run, the evaluation points and the sweep are one.
+On vLLM the RL rollouts come from a live vLLM with EAGLE-3 speculation (the policy synced in
+place after every update, the online draft pushed after its updates: rollout.vllm_engine), and
+the arms decode greedily: vLLM's greedy speculation is token-identical to plain vLLM, while its
+sampled speculation follows the policy's law but not plain vLLM's tokens, and arms that emit
+different tokens cannot be compared (the policy KL is still taken at the rollout temperature).
+
 Outputs in DIR: metrics.jsonl (a row per evaluation point and arm; the online row of a point
 with a reference carries `online_over_reference`, the ratio of their accept lengths),
 summary.json, rl/ (the RL run's own metrics.jsonl and checkpoint) and the PNG plots of
@@ -57,14 +65,16 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench.common import Grouped, machine_info, repeat_ratios, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens, summarize_spec_stats
 from rollout.speculative import Speculator
-from specrl.bench import machine_info, repeat_ratios, timed_generate_interleaved
-from specrl.controller import ControllerConfig, SpeculationController
+from specrl.config import ControllerConfig
+from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
 from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset
-from specrl.train_rl import RLCallback, RLRun, encode_prompts, rollout_params, train_rl
+from specrl.setup import encode_prompts, rollout_params
+from specrl.train_rl import RLCallback, RLRun, train_rl
 from target_training.config import require_positive
 from target_training.grpo import pack_batch
 
@@ -155,11 +165,121 @@ def policy_kl(policy, start_policy, trajectories, temperature: float) -> float:
     return float((kl * mask).sum() / mask.sum().clamp(min=1))
 
 
-class DriftEvaluator(RLCallback):
-    """Evaluates the four arms at step 0, every `eval_every` steps and at the end of the run."""
+class EmbeddedDecoding:
+    """The arms on specrl's embedded engine: a fresh engine per arm and batch size, sampled at
+    the rollout temperature (counter-based noise makes every lossless arm emit the same
+    tokens); the online draft is the co-trainer's hot-swapped copy. The speed sweep adds the
+    online draft under the adaptive controller (plain decoding where speculation does not pay)."""
 
-    def __init__(self, preset: DriftPreset, log=print, task: str = "arith"):
+    def __init__(self, preset: DriftPreset):
+        self.preset = preset
+        self.warm_pool = None  # the controller's warm-up prompts, apart from the timed ones
+
+    def notes(self) -> dict:
+        """Engine-specific facts for summary.json (how the arms decoded)."""
+        return {"eval_decoding": "sampled at the rollout temperature"}
+
+    def eval_params(self, run: RLRun):
+        return rollout_params(run.preset, run.tokenizer, run.seed)
+
+    def online_draft(self, run: RLRun):
+        return run.cotrain.speculator.draft
+
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
+        """Each arm's engine at this batch size, timed in turns on the same prompts, `repeats`
+        times. `arms` maps a name to a draft, a ready Speculator, or None for plain decoding."""
+        spec = run.preset.cotrain.spec
+        engines = {arm: EmbeddedEngine(run.policy, EngineConfig(max_batch=batch),
+                                       speculator=d if d is None or isinstance(d, Speculator) else Speculator(d, spec))
+                   for arm, d in arms.items()}
+        return timed_generate_interleaved(engines, prompts, params, repeats)
+
+    def sweep_arms(self, run: RLRun, online, batch: int, params) -> dict:
+        """The adaptive arm, like for like: it may pick any chain length up to the other arms'
+        gamma, and its statistics are warmed on other prompts before the timed runs."""
+        spec = run.preset.cotrain.spec
+        if self.warm_pool is None:
+            self.warm_pool = encode_prompts(run.tokenizer,
+                                            run.task.examples("heldout", self.preset.eval_prompts, run.seed + 13))
+        adaptive = Speculator(online, spec)
+        adaptive.controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
+        warm = sweep_prompts(self.warm_pool, batch)
+        EmbeddedEngine(run.policy, EngineConfig(max_batch=batch), speculator=adaptive).generate(warm, params)
+        return {"adaptive": adaptive}
+
+    def close(self) -> None:
+        pass
+
+
+class SwappedDraft(Grouped):
+    """One draft arm on a shared speculative VLLMEngine: `ready()` pushes its draft in."""
+
+    def __init__(self, engine, draft, batch: int):
+        super().__init__(engine, batch)
+        self.weights = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+
+    def ready(self) -> None:
+        self.engine.push_draft(self.weights, self.engine.version)
+
+
+class VLLMDecoding:
+    """The arms on vLLM, greedy (module docstring). Two vLLM engines serve them: a plain one
+    (started at the first evaluation, the policy synced in place at every point) and the RL
+    run's own speculative engine, into which each draft arm swaps its draft (`push_draft`,
+    outside the clock: `ready()`); the online draft is put back after each point. One engine
+    per arm would cost a vLLM start per arm. Every engine is fed in groups of the point's batch
+    size (`Grouped`). The sweep has no adaptive arm: vLLM runs a fixed chain length."""
+
+    def __init__(self, preset: DriftPreset):
+        self.preset = preset
+        self.plain_engine = None
+
+    def notes(self) -> dict:
+        return {"eval_decoding": "greedy (vLLM's sampled speculation is lossless in law, not token-identical to plain vLLM)",
+                "rl_rollouts": "vLLM, EAGLE-3 with the online draft, sampled at the rollout temperature, "
+                               "policy synced in place after every update"}
+
+    def eval_params(self, run: RLRun):
+        return rollout_params(run.preset, run.tokenizer, run.seed, greedy=True)
+
+    def online_draft(self, run: RLRun):
+        return run.engine.draft  # the copy the engine speculates with (pushed after each update)
+
+    def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
+        from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+        if self.plain_engine is None:
+            self.plain_engine = VLLMEngine(run.policy, VLLMEngineConfig(max_batch=max(batch, *self.preset.speed_batches),
+                                                                        work_dir=str(run.out / "vllm-plain")))
+        else:
+            self.plain_engine.load_policy_weights(run.policy.state_dict())
+        spec = run.engine
+        online, version = spec.draft_weights()  # put back after the point
+        engines = {arm: Grouped(self.plain_engine, batch) if d is None else SwappedDraft(spec, d, batch)
+                   for arm, d in arms.items()}
+        try:
+            return timed_generate_interleaved(engines, prompts, params, repeats)
+        finally:
+            spec.push_draft(online, version)
+
+    def sweep_arms(self, run: RLRun, online, batch: int, params) -> dict:
+        return {}
+
+    def close(self) -> None:
+        if self.plain_engine is not None:
+            self.plain_engine.shutdown()
+
+
+DECODINGS = {"embedded": EmbeddedDecoding, "vllm": VLLMDecoding}
+
+
+class DriftEvaluator(RLCallback):
+    """Evaluates the four arms at step 0, every `eval_every` steps and at the end of the run, on
+    `engine` (a key of DECODINGS)."""
+
+    def __init__(self, preset: DriftPreset, log=print, task: str = "arith", engine: str = "embedded"):
         self.preset, self.log, self.task = preset, log, task  # task: the run's task name or file
+        self.decoding = DECODINGS[engine](preset)
         self.rows: list[dict] = []
         self.frozen_draft = self.start_policy = self.prompts = None
         self.reference_draft = None
@@ -181,16 +301,18 @@ class DriftEvaluator(RLCallback):
             self.evaluate(run, step=done)
 
     def on_end(self, run: RLRun, summary: dict) -> None:
-        self.evaluate(run, step=run.preset.rl_steps, final=True)
-        self.speed_rows = self.speed_vs_batch(run)
-        if self.preset.deep_target:
-            self.deep_rows = self.deep_target_sweep(run)
+        try:
+            self.evaluate(run, step=run.preset.rl_steps, final=True)
+            self.speed_rows = self.speed_vs_batch(run)
+            if self.preset.deep_target:
+                self.deep_rows = self.deep_target_sweep(run)
+        finally:
+            self.decoding.close()
 
     # -- measurement -------------------------------------------------------------------------
     def eval_params(self, run: RLRun):
-        """How the arms decode: sampled at the rollout temperature (counter-based noise makes
-        every lossless arm emit the same tokens)."""
-        return rollout_params(run.preset, run.tokenizer, run.seed)
+        """How the arms decode (the engine's choice: `EmbeddedDecoding`, `VLLMDecoding`)."""
+        return self.decoding.eval_params(run)
 
     def drafts(self, run: RLRun, step: int, final: bool) -> dict:
         arms = {"plain": None, "frozen": self.frozen_draft, "online": self.online_draft(run)}
@@ -203,7 +325,7 @@ class DriftEvaluator(RLCallback):
 
     def online_draft(self, run: RLRun):
         """The engine's hot-swapped copy of the co-trained draft."""
-        return run.cotrain.speculator.draft
+        return self.decoding.online_draft(run)
 
     def train_reference(self, run: RLRun):
         cfg = run.preset.draft
@@ -238,35 +360,28 @@ class DriftEvaluator(RLCallback):
         self._log_point(step)
 
     def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
-        """Each arm's engine at this batch size, timed in turns on the same prompts, `repeats`
-        times. `arms` maps a name to a draft, a ready Speculator, or None for plain decoding."""
-        spec = run.preset.cotrain.spec
-        engines = {arm: EmbeddedEngine(run.policy, EngineConfig(max_batch=batch),
-                                       speculator=d if d is None or isinstance(d, Speculator) else Speculator(d, spec))
-                   for arm, d in arms.items()}
-        return timed_generate_interleaved(engines, prompts, params, repeats)
+        """Each arm at this batch size, timed in turns on the same prompts, `repeats` times, on the
+        run's engine. `arms` maps a name to a draft (or an engine's ready speculator), or None
+        for plain decoding."""
+        return self.decoding.time_arms(run, arms, batch, prompts, params, repeats)
 
     def speed_vs_batch(self, run: RLRun) -> list[dict]:
-        """Speed-up of each draft over plain decoding at several batch sizes, final policy."""
-        params = rollout_params(run.preset, run.tokenizer, run.seed)
-        arms = {"plain": None, "frozen": self.frozen_draft, "online": self.online_draft(run),
-                "reference": self.reference_draft}
+        """Speed-up of each draft over plain decoding at several batch sizes, final policy, with
+        the engine's extra arms (the embedded engine's adaptive one)."""
+        params = self.eval_params(run)
+        online = self.online_draft(run)
         rows = []
-        spec = run.preset.cotrain.spec
-        # warm-up prompts for the controller, apart from the timed ones
-        warm_pool = encode_prompts(run.tokenizer, run.task.examples("heldout", self.preset.eval_prompts, run.seed + 13))
         for b in self.preset.speed_batches:
-            # the online draft under the adaptive controller (plain decoding where speculation does not pay),
-            # like for like: it may pick any chain length up to the other arms' gamma, and its statistics
-            # are warmed on other prompts before the timed runs
-            arms["adaptive"] = Speculator(self.online_draft(run), spec)
-            arms["adaptive"].controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
-            prompts, warm = sweep_prompts(self.prompts, b), sweep_prompts(warm_pool, b)
-            EmbeddedEngine(run.policy, EngineConfig(max_batch=b), speculator=arms["adaptive"]).generate(warm, params)
-            results = self.time_arms(run, arms, b, prompts, params, self.preset.timing_repeats)
+            arms = {"plain": None, "frozen": self.frozen_draft, "online": online, "reference": self.reference_draft,
+                    **self.decoding.sweep_arms(run, online, b, params)}
+            results = self.time_arms(run, arms, b, sweep_prompts(self.prompts, b), params, self.preset.timing_repeats)
             base = results["plain"]["tokens_per_s"]
-            rows += [{"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}
-                     for arm, r in results.items()]
+            for arm, r in results.items():
+                row = {"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}
+                if arm != "plain":
+                    row["accept_length"] = summarize_spec_stats(t.spec for t in r["trajectories"])["accept_length"]
+                    row["speedup_repeats"] = repeat_ratios(r, results["plain"])
+                rows.append(row)
         return rows
 
     def deep_target_sweep(self, run: RLRun) -> list[dict]:
@@ -274,7 +389,8 @@ class DriftEvaluator(RLCallback):
         policy and offline draft (trained once and cached), not drifted, decoding with the run's
         chain length and sampling. Chain and adaptive arms as `specrl bench speed` measures them,
         with the bound's parts (c, verify cost) from the engine's own steps."""
-        from specrl.bench import measure_batch, speed_setup
+        from experiments.bench.common import speed_setup
+        from experiments.bench.speed import EmbeddedArms, measure_batch
 
         t0 = time.perf_counter()
         spec = run.preset.cotrain.spec
@@ -285,8 +401,9 @@ class DriftEvaluator(RLCallback):
         for b in self.preset.speed_batches:
             n = sweep_size(b)
             pool = prompts_for(2 * n)
-            for row in measure_batch(policy, draft, pool[:n], params, b, [spec], repeats=self.preset.timing_repeats,
-                                     adaptive_gammas=tuple(range(1, spec.gamma + 1)), warm_prompts=pool[n:]):
+            arm_set = EmbeddedArms(policy, draft, [spec], adaptive_gammas=tuple(range(1, spec.gamma + 1)))
+            for row in measure_batch(arm_set, pool[:n], params, b, repeats=self.preset.timing_repeats,
+                                     warm_prompts=pool[n:]):
                 if row.get("identical_to_plain") is False:
                     raise RuntimeError(f"the deep target's {row['mode']} arm changed the generated tokens at batch {b}")
                 row.pop("profile", None)
@@ -296,10 +413,6 @@ class DriftEvaluator(RLCallback):
                  + "  ".join(f"b{r['batch']} {r['mode']} x{r['speedup']:.2f}" for r in rows if r["mode"] != "plain")
                  + f"  ({time.perf_counter() - t0:.0f}s)")
         return rows
-
-    def summary_notes(self) -> dict:
-        """Engine-specific facts for summary.json (how the arms decoded)."""
-        return {"eval_decoding": "sampled at the rollout temperature"}
 
     def _log_point(self, step: int) -> None:
         pts = [r for r in self.rows if r["step"] == step]
@@ -378,10 +491,11 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
               progress: bool = True, plots: bool = True, reference_every: int | None = None,
               engine: str = "embedded", rl_steps: int | None = None, deep_target: str | None = None,
               log=print) -> dict:
-    """The experiment on `engine` ("embedded", or "vllm": experiments.drift_vllm). `rl_steps`
+    """The experiment on `engine` ("embedded" or "vllm", a key of DECODINGS). `rl_steps`
     shortens the preset's RL run (evaluation points stay every `eval_every` steps and at the end);
     `deep_target` overrides the preset's (a model preset name, "" for none)."""
     t0 = time.perf_counter()
+    preset_name = preset
     preset = preset if isinstance(preset, DriftPreset) else get_drift_preset(preset)
     if reference_every is not None:
         preset = dataclasses.replace(preset, reference_every=reference_every)  # validated by DriftPreset
@@ -392,17 +506,14 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
     out = Path(out_dir)
     if (out / "summary.json").exists() or (out / "rl").exists():
         raise DriftError(f"output folder {out} already holds a drift run; choose another --out")
+    if engine not in DECODINGS:
+        raise DriftError(f"unknown engine {engine!r}; choose {' or '.join(DECODINGS)}")
     if engine == "vllm":
-        from experiments.drift_vllm import VLLMDriftEvaluator as evaluator_cls
         from rollout.vllm_engine import require_vllm
 
         require_vllm()  # one line naming the fix, before anything is trained
-    elif engine == "embedded":
-        evaluator_cls = DriftEvaluator
-    else:
-        raise DriftError(f"unknown engine {engine!r}; choose embedded or vllm")
     out.mkdir(parents=True, exist_ok=True)
-    evaluator = evaluator_cls(preset, log=log, task=task)
+    evaluator = DriftEvaluator(preset, log=log, task=task, engine=engine)
     rl_summary = train_rl(task, preset.rl, out / "rl", seed=seed, cache_dir=cache_dir, progress=progress,
                           spec="online", engine=engine, callbacks=(evaluator,), log=log)
     rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line]
@@ -410,18 +521,29 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
         for row in evaluator.rows:
             f.write(json.dumps(row) + "\n")
     summary = {**summarize(evaluator, rl_rows, rl_summary, seed, time.perf_counter() - t0), "engine": engine,
-               **evaluator.summary_notes()}
+               **evaluator.decoding.notes()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if plots:
         from experiments.plots import drift_plots
-        drift_plots(out)
-    log(f"[drift] tau start {summary['tau_start']:.3f}; end: frozen {summary['tau_frozen_end']:.3f}, online "
-        f"{summary['tau_online_end']:.3f}, reference {summary['tau_reference_end']:.3f}; speed-up end: frozen "
-        f"x{summary['speedup_frozen_end']:.2f}, online x{summary['speedup_online_end']:.2f}; online / frozen "
-        f"{summary['speedup_online_over_frozen_end']:.3f} (engine steps: {summary['online_over_frozen_steps_end'] or 0:.3f}); "
-        f"KL {summary['kl_end']:.3f}; "
-        f"{summary['wall_s']:.0f}s")
+
+        name = preset_name if isinstance(preset_name, str) else "custom"
+        drift_plots(out, setup=f"drift preset {name}, {engine} engine, eval batch {preset.eval_batch}, seed {seed}, "
+                               f"{preset.rl.rl_steps} RL steps")
     return summary
+
+
+def headline(summary: dict) -> list[tuple[str, str]]:
+    """The figures a drift run ends with (`specrl drift`)."""
+    return [("accept length", f"start {summary['tau_start']:.3f}; end: frozen {summary['tau_frozen_end']:.3f}, "
+                              f"online {summary['tau_online_end']:.3f}, reference {summary['tau_reference_end']:.3f}"),
+            ("speed-up at the end", f"frozen x{summary['speedup_frozen_end']:.2f}, online x{summary['speedup_online_end']:.2f}, "
+                                    f"reference x{summary['speedup_reference_end']:.2f}"),
+            ("online over frozen", f"x{summary['speedup_online_over_frozen_end']:.3f} (engine steps: "
+                                   f"x{summary['online_over_frozen_steps_end'] or 0:.3f})"),
+            ("online draft cost", f"{summary['draft_added_fraction']:+.1%} RL step time"),
+            ("policy", f"KL from start {summary['kl_end']:.3f}; held-out reward {summary['reward_start']:.3f} -> "
+                       f"{summary['reward_end']:.3f}"),
+            ("wall time", f"{summary['wall_s']:.0f}s")]
 
 
 __all__ = ["run_drift", "DriftPreset", "DRIFT_PRESETS", "DriftEvaluator", "policy_kl", "deterministic_part",

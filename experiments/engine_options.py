@@ -17,11 +17,11 @@ import statistics
 import time
 
 from experiments import batch_sweep_main
+from experiments.bench.common import (preset_chain_length, repeat_ratios, save_summary, speed_setup,
+                                      timed_generate_interleaved)
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens
 from rollout.speculative import SpecConfig, Speculator
-from specrl.bench import (preset_chain_length, repeat_ratios, save_summary, speed_setup,
-                          timed_generate_interleaved)
 
 OPTIONS = {"exact": {}, "dense": {"moe_dispatch": "dense"}, "compiled": {"compile_forwards": True}}
 

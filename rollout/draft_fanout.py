@@ -14,8 +14,8 @@ import torch
 
 
 class DraftFanout:
-    """install_draft / push_draft on every engine; draft_weights of the first (all hold the same
-    version unless a push failed, which raised); draft_faults of all."""
+    """install_draft / push_draft on every engine; draft_weights and draft_version of the first
+    (all hold the same version unless a push failed, which raised); draft_faults of all."""
 
     def __init__(self, engines: Sequence):
         if not engines:
@@ -30,6 +30,10 @@ class DraftFanout:
 
     def draft_weights(self) -> tuple[dict[str, torch.Tensor], int | None]:
         return self.engines[0].draft_weights()
+
+    @property
+    def draft_version(self) -> int | None:
+        return self.engines[0].draft_version
 
     @property
     def draft_faults(self) -> list[str]:

@@ -6,9 +6,10 @@ tail of few long answers. Each step decodes every active slot; the prompts of re
 admitted ride along in the same forward (chunked-prefill style), so an admission does not
 cost a forward of its own. By default one request more than the decode batch is admitted and
 prefilled ahead (`EngineConfig.prefill_ahead`), so a freed slot is taken at once by a request
-that already has its first token. With a speculative decoder
-attached (rollout.speculative), a step drafts and verifies several tokens instead; the
-slot bookkeeping, stopping rules, log-probs and feature capture stay the same.
+that already has its first token. With a speculator attached (rollout.speculative), a step
+asks its proposer for a draft (rollout.proposer), verifies it with one target forward
+(rollout.verify) and commits the verdict; the slot bookkeeping, stopping rules, log-probs and
+feature capture stay the engine's. The speculation modules never call back into the engine.
 
 Sampling is keyed by (seed, request id, token index) in "coupled" mode (the default), so a
 request's output does not depend on which slot or batch it ran in.
@@ -16,18 +17,24 @@ request's output does not depend on which slot or batch it ran in.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
 from rollout.compiled import CompiledForwards
 from rollout.profile import StepProfiler, tick
+from rollout.proposer import SpecStep
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
+from rollout.verify import SpecSampling, Verdict, verify
 from target_training.model import MOE_DISPATCHES, KVCache, ModelOutput, MoETransformer
+
+if TYPE_CHECKING:
+    from rollout.speculative import SpecSession
 
 
 class PromptTooLongError(ValueError):
@@ -136,6 +143,16 @@ class Prefill:
     done: bool = False
 
 
+@dataclass
+class _Run:
+    """What every step of one generate() call shares."""
+
+    cache: KVCache
+    params: SamplingParams
+    capture: bool  # fill Trajectory.features
+    spec: SpecSession | None  # the call's speculation (rollout.speculative); None: plain decoding
+
+
 class EmbeddedEngine:
     def __init__(self, model: MoETransformer, config: EngineConfig | None = None, speculator=None):
         self.model = model.eval()
@@ -165,9 +182,12 @@ class EmbeddedEngine:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
         self.model.load_state_dict(state_dict, strict=True)
 
+    def shutdown(self) -> None:
+        """Nothing to release: the engine runs in the caller's process, on its modules."""
+
     # -- DraftReceiver (rollout.protocol) --------------------------------------------------
     def install_draft(self, draft, spec, controller=None) -> None:
-        from rollout.speculative import Speculator
+        from rollout.speculative import Speculator  # the EAGLE-3 speculator; loaded only when one is installed
 
         speculator = Speculator(copy.deepcopy(draft), spec)
         speculator.controller = controller
@@ -183,6 +203,11 @@ class EmbeddedEngine:
     @property
     def draft_faults(self) -> list[str]:
         return self.speculator.faults if self.speculator is not None else []
+
+    @property
+    def draft_version(self) -> int | None:
+        """The version of the draft weights in use; None without a speculator."""
+        return self.speculator.version if self.speculator is not None else None
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -200,6 +225,7 @@ class EmbeddedEngine:
         slack = self.speculator.block_slack() if spec is not None else 0
         cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
                                   self.model.embed_tokens.weight.dtype)
+        run = _Run(cache, params, capture_features, spec)
         pending = deque(states)
         slots: list[SlotState | None] = [None] * n_slots
         t0, steps = time.perf_counter(), 0
@@ -214,7 +240,7 @@ class EmbeddedEngine:
             if prefill is not None and not self._can_fuse(cache, [slots[i] for i in active], prefill, slack,
                                                           spec.block_width() if spec is not None else 1):
                 # nothing to fuse with, or no room: prefill on its own; the new requests join this step
-                self._run_prefill(cache, prefill, params, capture_features, spec)
+                self._run_prefill(run, prefill)
                 prefill = None
                 active = self._decoding(slots, n_decode)
             if active:
@@ -226,21 +252,20 @@ class EmbeddedEngine:
                         prof.begin("spec", len(active), prefill is not None)
                     lengths = [s.n_cached for s in act_states]  # to roll back to after a fault (host values)
                     try:
-                        result = spec.step(self, cache, active, act_states, params, capture_features, prefill)
+                        result = self._spec_step(run, active, act_states, prefill)
                         spec.observe(len(active), time.perf_counter() - t_step, result)
                         kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
                         cache.rollback(torch.tensor(active), torch.tensor(lengths))
                         spec.on_fault(err)
-                        self._decode_step(cache, active, act_states, params, capture_features, spec,
-                                          None if prefill is None or prefill.done else prefill)
+                        self._decode_step(run, active, act_states, None if prefill is None or prefill.done else prefill)
                         kind = "fault"
                     if prof is not None:
                         prof.end(kind)
                 else:
                     if prof is not None:
                         prof.begin("plain", len(active), prefill is not None)
-                    self._decode_step(cache, active, act_states, params, capture_features, spec, prefill)
+                    self._decode_step(run, active, act_states, prefill)
                     if spec is not None:
                         spec.observe(len(active), time.perf_counter() - t_step, None)
                     if prof is not None:
@@ -303,32 +328,31 @@ class EmbeddedEngine:
             return False
         return cache.max_len - cached_len(states) >= max(prompt_width, slack, 1)
 
-    def _run_prefill(self, cache: KVCache, prefill: "Prefill", params: SamplingParams, capture: bool, spec) -> None:
-        cache.reset(prefill.slots)
-        out = self.model(prefill.ids, cache=cache, slots=prefill.slots, tap_layers=self.tap_layers(capture, spec),
+    def _run_prefill(self, run: _Run, prefill: "Prefill") -> None:
+        run.cache.reset(prefill.slots)
+        out = self.model(prefill.ids, cache=run.cache, slots=prefill.slots, tap_layers=self.tap_layers(run),
                          key_len=prefill.ids.shape[1], moe_dispatch=self.config.moe_dispatch)  # slots just reset
-        self._finish_prefill(cache, prefill, out, params, capture, spec)
+        self._finish_prefill(run, prefill, out)
 
-    def _finish_prefill(self, cache: KVCache, prefill: "Prefill", out, params: SamplingParams, capture: bool, spec,
-                        rows=slice(None)) -> None:
+    def _finish_prefill(self, run: _Run, prefill: "Prefill", out, rows=slice(None)) -> None:
         """The prompts' forward is done (rows `rows` of `out`): drop the right padding, hand the
         features on, and sample each request's first token from its last prompt position."""
-        cache.rollback(prefill.slots, prefill.lens, check=False)  # each prompt fits its padded block
-        lens = prefill.lens
+        run.cache.rollback(prefill.slots, prefill.lens, check=False)  # each prompt fits its padded block
+        lens, spec = prefill.lens, run.spec
         last_logits = out.logits[rows][torch.arange(len(prefill.states), device=self.device), lens - 1]  # (B, V)
-        if capture or spec is not None:
+        feats = None
+        if run.capture or (spec is not None and spec.proposer.uses_features):
             feats = out.features(self.model.cfg.feature_layer_ids)[rows]  # (B, T, 3H)
-            if capture:
+            if run.capture:
                 for r, s in enumerate(prefill.states):
                     s.features.append(feats[r, : len(s.prompt)].to(torch.float16).cpu())
-            if spec is not None:
-                spec.on_prefill(prefill.slot_list, feats, [len(s.prompt) for s in prefill.states])
+        if spec is not None:
+            spec.proposer.prefilled(prefill.slot_list, feats, [len(s.prompt) for s in prefill.states])
         prefill.done = True
-        self._emit(prefill.states, last_logits, params)
+        self._emit(prefill.states, last_logits, run.params)
 
-    def forward(self, cache: KVCache, slots: torch.Tensor, ids: torch.Tensor, params: SamplingParams, capture: bool,
-                spec, prefill: "Prefill | None" = None, positions=None, attn_mask=None,
-                key_len: int | None = None) -> ModelOutput:
+    def forward(self, run: _Run, slots: torch.Tensor, ids: torch.Tensor, prefill: "Prefill | None" = None, *,
+                positions=None, attn_mask=None, key_len: int | None = None) -> ModelOutput:
         """The target forward of one engine step for rows `slots` (ids (B, T); positions and
         attn_mask as in MoETransformer.forward), taps on when features are wanted.
 
@@ -338,7 +362,7 @@ class EmbeddedEngine:
         small or overhead-bound model is most of an admission's cost. The returned output and the
         slots' cache lengths are exactly what the unfused call would leave. key_len: the keys
         the step's rows read (KVCache.begin_block), from the host's lengths (`cached_len`)."""
-        taps = self.tap_layers(capture, spec)
+        taps, cache = self.tap_layers(run), run.cache
         if prefill is None:
             def eager() -> ModelOutput:
                 return self.model(ids, cache=cache, slots=slots, positions=positions, attn_mask=attn_mask,
@@ -366,28 +390,101 @@ class EmbeddedEngine:
                          attn_mask=mask, tap_layers=taps, key_len=None if key_len is None else key_len - T + W,
                          moe_dispatch=self.config.moe_dispatch)
         cache.rollback(slots, start + T, check=False)  # the step's rows keep their T tokens
-        self._finish_prefill(cache, prefill, out, params, capture, spec, rows=slice(B, None))
+        self._finish_prefill(run, prefill, out, rows=slice(B, None))
         return ModelOutput(logits=out.logits[:B, :T], hidden=out.hidden[:B, :T],
                            taps={k: v[:B, :T] for k, v in out.taps.items()})
 
-    def _decode_step(self, cache: KVCache, active: list[int], states: list[SlotState], params: SamplingParams,
-                     capture: bool, spec=None, prefill: "Prefill | None" = None) -> None:
+    def _decode_step(self, run: _Run, active: list[int], states: list[SlotState],
+                     prefill: "Prefill | None" = None) -> None:
         slot_ids = torch.tensor(active, device=self.device)
         ids = torch.tensor([[s.last_token] for s in states], device=self.device)
-        out = self.forward(cache, slot_ids, ids, params, capture, spec, prefill, key_len=cached_len(states) + 1)
+        out = self.forward(run, slot_ids, ids, prefill, key_len=cached_len(states) + 1)
         tick(self.profiler, "forward")
-        if capture:
+        if run.capture:
             feats = out.features(self.model.cfg.feature_layer_ids)
             for r, s in enumerate(states):
                 s.features.append(feats[r].to(torch.float16).cpu())
-        if spec is not None:
-            spec.on_plain_step(active, out)
+        if run.spec is not None:
+            run.spec.proposer.decoded(active, out)
         tick(self.profiler, "features")
-        self._emit(states, out.logits[:, -1], params)
+        self._emit(states, out.logits[:, -1], run.params)
         tick(self.profiler, "emit")
 
-    def tap_layers(self, capture: bool, spec) -> tuple[int, ...]:
-        return self.model.cfg.feature_layer_ids if (capture or spec is not None) else ()
+    def _spec_step(self, run: _Run, active: list[int], states: list[SlotState],
+                   prefill: "Prefill | None" = None) -> dict:
+        """Draft, verify and commit for the active slots; `prefill` (newly admitted prompts) rides
+        along in the verify forward (`forward`).
+
+        The proposer drafts (rollout.proposer); `verify` scores the draft with the target as a
+        function and applies the acceptance rule (rollout.verify); the target cache keeps the
+        accepted run; `_commit` emits. From the verify forward on, nothing is read back from the
+        device until `_commit` hands the emitted tokens back in one transfer; the draft's health
+        check (NaN or +inf logits) travels with it, and a bad draft is raised as a fault before
+        any slot state changes (`generate` then rolls the target cache back and decodes plainly)."""
+        spec, cache = run.spec, run.cache
+        slots = torch.tensor(active, device=cache.lengths.device)
+        L = cache.lengths[slots]  # (B,)
+        depth = spec.depth()  # the caches carry `block_slack` spare positions for the verify block
+        prof = self.profiler
+        if prof is not None:
+            prof.set_gamma(depth)
+        sampling = SpecSampling(run.params, depth, states, sampling_mode=self.config.sampling_mode,
+                                generator=self.generator, device=self.device, vocab_size=self.model.cfg.vocab_size)
+        roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
+        # every block's key length comes from the host (`cached_len`, KVCache.begin_block)
+        step = SpecStep(active=active, slots=slots, lengths=L, roots=roots, states=states, key_len=cached_len(states),
+                        depth=depth, sampling=sampling, profiler=prof)
+        proposal = spec.proposer.propose(step)
+
+        def target(ids, positions=None, attn_mask=None, key_len=None) -> ModelOutput:
+            return self.forward(run, slots, ids, prefill, positions=positions, attn_mask=attn_mask, key_len=key_len)
+
+        verdict = verify(step, proposal, target, self.tap_layers(run))
+        if verdict.kv_positions is not None:  # a tree: the accepted path's entries move to L ..
+            cache.compact(slots, verdict.kv_positions, L)
+        cache.rollback(slots, L + verdict.counts, check=False)
+        return self._commit(run, step, verdict, proposal.health)
+
+    def _commit(self, run: _Run, step: SpecStep, v: Verdict, health: torch.Tensor | None) -> dict:
+        """Emit every row's accepted run and record its statistics; the proposer gets the runs.
+
+        The hand-back is one transfer of (tokens, counts, the draft's health) plus the log-probs
+        (and a tree's drafted depths); the health check raises before any slot state changes.
+        Stop tokens and length budgets are then applied on the host by the token-by-token rule
+        (`append_token`), on at most W tokens per row."""
+        B, W = v.emitted.shape
+        if health is None:  # a proposer with nothing to check
+            health = torch.zeros((), device=v.emitted.device)
+        per_row_depths = isinstance(v.drafted_depths, torch.Tensor)
+        columns = (v.emitted, v.counts, health.expand(B), v.logprobs) + ((v.drafted_depths,) if per_row_depths else ())
+        rows = hand_back(*columns)  # (B, 2W + 2), plus a last column for a tree's drafted depths
+        if not rows[0][W + 1] < math.inf:  # NaN or +inf
+            raise FloatingPointError("draft produced NaN or infinite logits")
+        counts = [int(row[W]) for row in rows]
+        run.spec.proposer.accepted(step.active, v, counts)
+        emitted_total = drafted_total = 0
+        for r, (st, row, k) in enumerate(zip(step.states, rows, counts)):
+            lp_row = row[W + 2:2 * W + 2]
+            drafted_depth = int(row[-1]) if per_row_depths else v.drafted_depths
+            if run.capture:
+                st.features.append(v.features[r, :k].to(torch.float16).cpu())
+            if st.spec is not None:
+                st.spec.record(drafted_depth, k - 1)
+            emitted_total += k
+            drafted_total += drafted_depth
+            for token, logprob in zip(map(int, row[:k]), lp_row[:k]):
+                if not self.append_token(st, token, logprob, run.params):
+                    break  # a stop token or the length budget: the rest is dropped
+        tick(self.profiler, "emit")
+        return {"gamma": step.depth, "tokens_per_seq": emitted_total / B, "accepted": emitted_total - B,
+                "drafted": drafted_total}
+
+    def tap_layers(self, run: _Run) -> tuple[int, ...]:
+        """The target layers a forward taps: the EAGLE-3 feature layers when features are
+        captured or the proposer uses them; none otherwise."""
+        spec = run.spec
+        wanted = run.capture or (spec is not None and spec.proposer.uses_features)
+        return self.model.cfg.feature_layer_ids if wanted else ()
 
     def _emit(self, states: list[SlotState], logits: torch.Tensor, params: SamplingParams) -> None:
         """Sample one token per state from logits (B, V) and append it."""

@@ -1,11 +1,13 @@
 """The contracts between engines, trainers and the co-training core.
 
-An RL loop only ever sees `RolloutEngine.generate` and `Trajectory`; that is what lets the
-speculative engine, vLLM and the SGLang backend drop in without the trainer noticing.
+An RL loop only ever sees `RolloutEngine` (generate, the last call's figures, the policy sync,
+shutdown) and `Trajectory`; that is what lets the speculative engine, vLLM and the SGLang
+backend drop in without the trainer noticing.
 
 The co-training core (specrl.cotrain.SpecCoTrainer) needs two more things, and only these:
 - a `DraftReceiver`: an engine that speculates with the draft it is given, takes fresh draft
-  weights with a version, and reports acceptance per request in `Trajectory.spec`;
+  weights with a version (and says which version it holds), and reports acceptance per
+  request in `Trajectory.spec`;
 - a `FeatureSource`: something that computes the policy's hidden states anyway and hands the
   fused EAGLE-3 features over: the policy trainer's own log-prob forward (every RL pipeline has
   one), or an engine whose `generate(capture_features=True)` fills `Trajectory.features`
@@ -128,6 +130,10 @@ class Trajectory:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
+    # Figures of the last generate() call: "wall_s", "tokens", "tokens_per_s" from every engine;
+    # "engine_steps" and "spec_faults" (draft faults absorbed in the call) where the engine counts them.
+    last_stats: dict
+
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
         """Generate one trajectory per prompt. request_ids key the sampling noise (see
@@ -135,6 +141,10 @@ class RolloutEngine(Protocol):
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync after a trainer step. Never touches draft weights."""
+
+    def shutdown(self) -> None:
+        """Release what the engine started (worker processes, device memory); a no-op for an
+        engine that started nothing."""
 
 
 @runtime_checkable
@@ -153,6 +163,11 @@ class DraftReceiver(Protocol):
 
     def draft_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """The draft weights the engine speculates with now (SGLang names) and their version."""
+
+    @property
+    def draft_version(self) -> int | None:
+        """The version of the draft the engine speculates with (the last pushed; 0 after
+        install_draft); None before any draft was installed."""
 
     @property
     def draft_faults(self) -> list[str]:

@@ -16,6 +16,7 @@ Version notes (what was read, what was run) are in docs/sglang.md.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,8 @@ class SGLangEngine:
         self.draft_version: int | None = None
         self.policy_version: int | None = None
         self.last_push_held: list[str] = []
+        self.last_push: dict = {}  # the last draft push: {"version", "sent" (names), "held" (names held back)}
+        self.last_stats: dict = {}
         self._vocab_maps: dict[str, torch.Tensor] | None = None
         self._pushed: dict[str, torch.Tensor] = {}  # what the engine's draft holds now (CPU copies)
         self.spec = None
@@ -157,11 +160,20 @@ class SGLangEngine:
             raise ValueError(f"{len(ids)} request_ids for {len(prompts)} prompts")
         body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sampling_params_for_sglang(params),
                 "return_logprob": True}
+        t0 = time.perf_counter()
         out = self.transport.call("generate", body)
         outputs = out if isinstance(out, list) else [out]
         if len(outputs) != len(prompts):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(prompts)} prompts")
-        return [trajectory_from_output(p, o, r) for p, o, r in zip(prompts, outputs, ids)]
+        trajs = [trajectory_from_output(p, o, r) for p, o, r in zip(prompts, outputs, ids)]
+        wall, n = time.perf_counter() - t0, sum(len(t.token_ids) for t in trajs)
+        self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
+        return trajs
+
+    def shutdown(self) -> None:
+        """Stop an engine started in process (`launch`); a server reached over HTTP is left running."""
+        if self.in_process:
+            self.transport.engine.shutdown()
 
     # -- weights --------------------------------------------------------------------------
     @property
@@ -215,11 +227,13 @@ class SGLangEngine:
         self.target_param_names = set(names) | (self.target_param_names or set())
         self.policy_version = version
 
-    def push_draft(self, draft, version: int) -> dict:
-        """Hot-swap fresh draft weights into the engine (an Eagle3Draft, or its SGLang-named tensors
-        for the tensor transport). The vocabulary maps d2t/t2d are never re-sent: SGLang copies its
-        hot-token map once at start, so a changed map would be ignored; a change is refused."""
+    def push_draft(self, weights, version: int) -> None:
+        """Hot-swap fresh draft weights into the engine: SGLang-named tensors, or the Eagle3Draft
+        itself (which the disk transport needs). The vocabulary maps d2t/t2d are never re-sent:
+        SGLang copies its hot-token map once at start, so a changed map would be ignored; a change
+        is refused. What was sent and held back is in `last_push`."""
         cfg = self.config
+        draft = weights  # the module, where one was given (the disk transport saves it)
         weights = draft if isinstance(draft, Mapping) else draft_state_dict_for_sglang(draft)
         self._check_vocab_maps(weights)
         self.last_push_held = []
@@ -251,7 +265,7 @@ class SGLangEngine:
             sent = [n for n, _ in named]
         self._pushed.update({n: weights[n].detach().to("cpu", copy=True) for n in sent})
         self.draft_version = version
-        return {"version": version, "sent": sent, "held": list(self.last_push_held)}
+        self.last_push = {"version": version, "sent": sent, "held": list(self.last_push_held)}
 
     # -- the co-training core's draft-receiver interface (rollout.protocol.DraftReceiver) ----------
     def install_draft(self, draft, spec, controller=None) -> None:

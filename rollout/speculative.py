@@ -1,4 +1,9 @@
-"""Speculative decoding for the embedded engine: EAGLE-3 chain and dynamic-tree drafts.
+"""Speculative decoding for the embedded engine: the speculation policy (`Speculator`,
+`SpecSession`) and the EAGLE-3 proposer, chain or dynamic tree (`Eagle3Proposer`).
+
+The engine drives a step (rollout.engine): it asks the session whether to speculate and how
+deep, asks the proposer for a draft (rollout.proposer), verifies it with its own target forward
+(rollout.verify) and commits the verdict; this module never calls the engine.
 
 Bookkeeping per cache slot (L = tokens in the target cache, x_L = the last emitted token,
 not yet fed to the target):
@@ -6,27 +11,22 @@ not yet fed to the target):
 - the draft cache holds pairs (f_t, x_{t+1}) for t < D; after every step D is rolled back to
   the target's L, so at the next step the pending pairs t = D .. L-1 (all tokens known) are
   fed in one draft forward whose last output proposes x_{L+1}.
-A verify step feeds [x_L, drafts...] to the target in one forward (causal for chains, a tree
-mask for trees), accepts with a pure function of rollout.acceptance, keeps the KV entries of
-the accepted path (rollback for chains, compaction for trees), and hands the accepted
-positions' features to the next step. Log-probs come from the same verify logits, so the
-RL loss sees exactly the numbers plain decoding would give (up to float reassociation).
+After a verify step the engine hands the accepted positions' features back (`accepted`); they
+are the next step's pending pairs.
 """
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from draft_models.checkpoint import check_draft_against_target, copy_draft_weights
-from rollout import acceptance as acc
-from rollout.engine import cached_len, hand_back
 from rollout.profile import tick
-from rollout.protocol import SamplingParams
-from rollout.sampling import coupled_noise, policy_logprobs, process_logits
-from rollout.tree import accepted_kv_positions, gather_path, node_depths, select_nodes, tree_attention_mask
+from rollout.proposer import ChainProposal, Proposer, SpecStep, TreeProposal
+from rollout.tree import select_nodes
+from rollout.verify import SpecSampling
 
 
 # Upper bounds, checked before any draft cache is sized from them: a draft cache holds up to
@@ -53,11 +53,17 @@ class SpecConfig:
 
 
 class Speculator:
-    """Holds the draft head and speculation settings; `begin` makes the per-generate session."""
+    """Holds the draft and the speculation settings; `begin` makes the per-generate session.
 
-    def __init__(self, draft, config: SpecConfig | None = None):
-        self.draft = draft.eval()
+    `proposer` builds a generate() call's drafter as proposer(n_slots, max_len) (rollout.proposer);
+    by default the EAGLE-3 draft's (`Eagle3Proposer`). A drafter without a model passes
+    draft=None and its own factory; the config's mode and gamma then size its proposals."""
+
+    def __init__(self, draft, config: SpecConfig | None = None,
+                 proposer: Callable[[int, int], Proposer] | None = None):
+        self.draft = draft.eval() if draft is not None else None
         self.config = config or SpecConfig()
+        self.proposer = proposer
         self.enabled = True
         self.controller = None  # optional: picks plain or gamma per step (specrl.controller)
         self.faults: list[str] = []  # one line per draft-side failure, newest last
@@ -65,7 +71,8 @@ class Speculator:
 
     def check_target(self, target) -> None:
         """Fail with a one-line error if the draft was not built for this target."""
-        check_draft_against_target(self.draft.cfg, target.cfg)
+        if self.draft is not None:
+            check_draft_against_target(self.draft.cfg, target.cfg)
 
     def set_draft(self, draft) -> None:
         """Replace the draft module; the next generate() call uses it."""
@@ -97,21 +104,21 @@ class Speculator:
         return 1 + (c.gamma if c.mode == "chain" else c.tree_budget)
 
     def begin(self, n_slots: int, max_len: int) -> "SpecSession":
-        return SpecSession(self, n_slots, max_len + self.block_slack())
+        """The session of one generate() call over `n_slots` cache slots of `max_len` tokens."""
+        max_len += self.block_slack()
+        if self.proposer is not None:
+            return SpecSession(self, self.proposer(n_slots, max_len))
+        return SpecSession(self, Eagle3Proposer(self.draft, self.config, n_slots, max_len))
 
 
 class SpecSession:
-    def __init__(self, spec: Speculator, n_slots: int, max_len: int):
-        self.spec, self.cfg, self.draft = spec, spec.config, spec.draft
-        dev = self.draft.fc.weight.device
-        self.cache = self.draft.new_cache(n_slots, max_len, dev)
-        self.pending: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]  # features not yet fed to the draft
-        self.max_len = max_len
-        self.faulted = False
-        self._prof = None  # the engine's StepProfiler during a step, if one is attached
-        self._last_commit = _Commit([], None, None)
+    """One generate() call's speculation: whether and how deep each step speculates, the
+    controller's measurements, draft faults, and the call's `proposer`."""
 
-    # -- hooks called by the engine -------------------------------------------------------
+    def __init__(self, spec: Speculator, proposer: Proposer):
+        self.spec, self.cfg, self.proposer = spec, spec.config, proposer
+        self.faulted = False
+
     def should_speculate(self, n_active: int) -> bool:
         if not self.spec.enabled or self.faulted:
             return False
@@ -148,130 +155,61 @@ class SpecSession:
         self.faulted = True
         warnings.warn(f"speculation disabled for this rollout after a draft failure ({msg})", RuntimeWarning)
 
-    def on_prefill(self, slots: list[int], feats: torch.Tensor, lens: list[int]) -> None:
+
+class Eagle3Proposer:
+    """The EAGLE-3 draft of one generate() call (rollout.proposer.Proposer), drafting a chain or
+    a dynamic tree (`SpecConfig.mode`): its KV cache over the call's slots and each slot's
+    pending features."""
+
+    uses_features = True
+
+    def __init__(self, draft, config: SpecConfig, n_slots: int, max_len: int):
+        self.draft, self.cfg = draft, config
+        dev = self.draft.fc.weight.device
+        self.cache = self.draft.new_cache(n_slots, max_len, dev)
+        self.pending: list[list[torch.Tensor]] = [[] for _ in range(n_slots)]  # features not yet fed to the draft
+        self.max_len = max_len
+        self._prof = None  # the step's StepProfiler during `propose`, if one is attached
+        self._last_commit = _Commit([], None, None)
+
+    def prefilled(self, slots: list[int], feats: torch.Tensor | None, lens: list[int]) -> None:
         """Newly admitted prompts (slot ids and lengths on the host): their features await the draft."""
         self.cache.reset(torch.tensor(slots, device=self.cache.lengths.device))
         for r, (s, n) in enumerate(zip(slots, lens)):
             self.pending[s] = [feats[r, :n]]
 
-    def on_plain_step(self, slots: list[int], out) -> None:
+    def decoded(self, slots: list[int], out) -> None:
         """A plain decode step of these slots: each one's new feature awaits the draft."""
         feats = out.features(self.draft.cfg.aux_layer_ids)
         for r, s in enumerate(slots):
             self.pending[s].append(feats[r])
 
-    # -- one speculative step ------------------------------------------------------------
-    def step(self, engine, cache, active: list[int], states, params: SamplingParams, capture: bool,
-             prefill=None) -> dict:
-        """Draft, verify and accept for the active slots; `prefill` (newly admitted prompts) rides
-        along in the verify forward (EmbeddedEngine.forward).
+    def propose(self, step: SpecStep) -> ChainProposal | TreeProposal:
+        """Feed the pending pairs, then draft `step.depth` tokens (a chain) or levels (a tree).
+        The draft cache ends at the target's L again; the health value is the largest draft logit
+        of the feed (NaN, which amax propagates, or +inf: a broken draft; -inf marks tokens
+        outside the draft's vocabulary)."""
+        self._prof = step.profiler
+        h_last, q_last = self._feed_pending(step.slots, step.active, step.states)  # (B, H), (B, V)
+        health = q_last.amax()
+        tick(self._prof, "draft_features")
+        if self.cfg.mode == "chain":
+            tokens, draft_logp = self._draft_chain(step.slots, step.key_len, h_last, q_last, step.depth, step.sampling)
+            self.cache.rollback(step.slots, step.lengths, check=False)
+            return ChainProposal(tokens, draft_logp, health)  # (B, g), (B, g, V) or None
+        tokens, parents, draft_logp, valid, verified = self._draft_tree(step.slots, step.key_len, h_last, q_last,
+                                                                        step.depth, step.sampling)
+        self.cache.rollback(step.slots, step.lengths, check=False)
+        return TreeProposal(tokens, parents, valid, verified, draft_logp, self.cfg.tree_topk, health)
 
-        Chains and trees differ in drafting, the verify block and the acceptance rule
-        (`_chain_block`, `_tree_block`); what follows acceptance is shared and batched
-        (`_commit`). From the verify forward on, nothing is read back from the device until
-        `_commit` hands the emitted tokens back in one transfer; the draft's health check
-        (NaN or +inf logits) travels with it, and a bad draft is reported as a fault before any
-        slot state changes (the engine then rolls the target cache back and decodes plainly)."""
-        slots = torch.tensor(active, device=cache.lengths.device)
-        L = cache.lengths[slots]  # (B,)
-        depth = self.depth()  # the caches carry `block_slack` spare positions for the verify block
-        prof = self._prof = engine.profiler
-        if prof is not None:
-            prof.set_gamma(depth)
-        L_max = cached_len(states)  # every block's key length from the host (KVCache.begin_block)
-        h_last, q_last = self._feed_pending(slots, active, states)  # (B, H), (B, V)
-        draft_max = q_last.amax()  # NaN (amax propagates it) or +inf: a bad draft; -inf marks non-draft tokens
-        ctx = _Sampling(params, engine, states, depth)
-        roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
-        tick(prof, "draft_features")
-        block = self._chain_block if self.cfg.mode == "chain" else self._tree_block
-        v = block(engine, cache, slots, L, L_max, roots, h_last, q_last, depth, ctx, params, capture, prefill)
-        tick(prof, "accept")
-        return self._commit(engine, active, states, params, capture, depth, v, draft_max)
-
-    def _chain_block(self, engine, cache, slots, L, L_max: int, roots, h_last, q_last, depth: int, ctx, params,
-                     capture, prefill) -> "_Verified":
-        tokens, draft_logp = self._draft_chain(slots, L_max, h_last, q_last, depth, ctx)  # (B, g), (B, g, V)
-        self.cache.rollback(slots, L, check=False)
-        block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, g+1): causal, at positions L ..
-        tick(self._prof, "draft")
-        out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill, key_len=L_max + depth + 1)
-        tick(self._prof, "verify_forward")
-        n_acc, next_tok = ctx.verify_chain(tokens, draft_logp, out.logits)
-        cache.rollback(slots, L + n_acc + 1, check=False)  # the accepted prefix is already contiguous
-        return _Verified(block_tokens, out, None, n_acc, next_tok, depth)
-
-    def _tree_block(self, engine, cache, slots, L, L_max: int, roots, h_last, q_last, depth: int, ctx, params,
-                    capture, prefill) -> "_Verified":
-        tokens, parents, draft_logp, valid, verified = self._draft_tree(slots, L_max, h_last, q_last, depth, ctx)
-        self.cache.rollback(slots, L, check=False)
-        block_tokens = torch.cat([roots[:, None], tokens], 1)  # (B, N): root, then the drafted nodes
-        block_parents = torch.cat([torch.full_like(roots[:, None], -1), parents], 1)
-        block_valid = torch.cat([torch.ones_like(valid[:, :1]), valid], 1)
-        block_verified = torch.cat([torch.ones_like(valid[:, :1]), verified], 1)
-        depths = node_depths(block_parents)  # (B, N)
-        mask = tree_attention_mask(block_parents, block_verified)
-        tick(self._prof, "draft")
-        out = engine.forward(cache, slots, block_tokens, params, capture, self, prefill,
-                             positions=L[:, None] + depths, attn_mask=mask, key_len=L_max + block_tokens.shape[1])
-        tick(self._prof, "verify_forward")
-        path, n_acc, next_tok = ctx.verify_tree(block_parents, block_tokens, block_valid, block_verified,
-                                                draft_logp, out.logits, self.cfg.tree_topk)
-        # keep the accepted path's KV entries contiguous after position L
-        src, n_keep = accepted_kv_positions(path, L)
-        cache.compact(slots, src, L)
-        cache.rollback(slots, L + n_keep, check=False)
-        return _Verified(block_tokens, out, path, n_acc, next_tok, depths.masked_fill(~block_valid, 0).max(1).values)
-
-    def _commit(self, engine, active, states, params: SamplingParams, capture: bool, depth: int,
-                v: "_Verified", draft_max: torch.Tensor) -> dict:
-        """Accepted features to the draft, emitted tokens and log-probs to the slot states.
-
-        Each slot emits its accepted drafts, then the target's own token; each token's log-prob
-        comes from the verify logits at the node before it (the policy's exact distribution
-        there). The hand-back is one transfer of (tokens, counts) plus the log-probs; stop tokens
-        and length budgets are then applied on the host by the engine's own token-by-token rule
-        (`append_token`), on at most gamma + 1 tokens per row."""
-        taps = engine.model.cfg.feature_layer_ids
-        n_acc, next_tok = v.n_acc, v.next_tok
-        B, W = v.block_tokens.shape if v.path is None else v.path.shape
-        n_keep = n_acc + 1  # (B,) root + accepted drafts = tokens emitted
-
-        def along_path(x):  # (B, N, ...) -> (B, W, ...): the accepted nodes first; later entries are never read
-            return x if v.path is None else gather_path(v.path, x, fill=0)
-
-        feats = along_path(v.out.features(taps))  # (B, W, 3H)
-        emitted = torch.cat([along_path(v.block_tokens)[:, 1:], next_tok[:, None]], 1)  # (B, W)
-        emitted.scatter_(1, n_acc[:, None], next_tok[:, None])
-        path_logits = along_path(v.out.logits)  # (B, W, V): the node before each token
-        emitted_lp = policy_logprobs(path_logits, params.temperature).gather(2, emitted[..., None])[..., 0]  # (B, W)
-        tick(self._prof, "cache_features")
-        per_row_depths = isinstance(v.drafted_depths, torch.Tensor)
-        columns = (emitted, n_keep, draft_max.expand(B), emitted_lp) + ((v.drafted_depths,) if per_row_depths else ())
-        rows = hand_back(*columns)  # (B, 2W + 2), plus a last column for a tree's drafted depths
-        if not rows[0][W + 1] < math.inf:  # NaN or +inf
-            raise FloatingPointError("draft produced NaN or infinite logits")
-        emitted_total = drafted_total = 0
-        self._last_commit = _Commit(list(active), feats, emitted)
-        for r, (slot, st, row) in enumerate(zip(active, states, rows)):
-            k, lp_row = int(row[W]), row[W + 2:2 * W + 2]
-            drafted_depth = int(row[-1]) if per_row_depths else v.drafted_depths
-            self.pending[slot] = [feats[r, :k]]
+    def accepted(self, active: list[int], verdict, counts: list[int]) -> None:
+        """Each slot's accepted run (the verdict's features and emitted tokens, sliced to its count)
+        is its next pending run; kept whole for the next step's zero-copy block (`_Commit`)."""
+        self._last_commit = _Commit(list(active), verdict.features, verdict.emitted)
+        for r, (slot, k) in enumerate(zip(active, counts)):
+            self.pending[slot] = [verdict.features[r, :k]]
             self._last_commit.runs.append(self.pending[slot][0])
-            if capture:
-                st.features.append(feats[r, :k].to(torch.float16).cpu())
-            if st.spec is not None:
-                st.spec.record(drafted_depth, k - 1)
-            emitted_total += k
-            drafted_total += drafted_depth
-            for token, logprob in zip(map(int, row[:k]), lp_row[:k]):
-                if not engine.append_token(st, token, logprob, params):
-                    break  # a stop token or the length budget: the rest is dropped
-        tick(self._prof, "emit")
-        return {"gamma": depth, "tokens_per_seq": emitted_total / B, "accepted": emitted_total - B,
-                "drafted": drafted_total}
 
-    # -- drafting ------------------------------------------------------------------------
     def _feed_pending(self, slots: torch.Tensor, active: list[int], states):
         """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output.
 
@@ -328,7 +266,7 @@ class SpecSession:
                                      attn_mask=mask, key_len=key_len)
         return prenorm, self.draft.to_target_logits(logits)
 
-    def _draft_chain(self, slots, L_max: int, h, q_logits, depth: int, ctx: "_Sampling"):
+    def _draft_chain(self, slots, L_max: int, h, q_logits, depth: int, ctx: SpecSampling):
         """-> drafted tokens (B, g) and the distributions they were drawn from (B, g, V); greedy
         verification never reads those, so greedy drafting takes the argmax and returns None."""
         toks, qs = [], []
@@ -345,7 +283,7 @@ class SpecSession:
                 h, q_logits = h[:, 0], q_logits[:, 0]
         return torch.stack(toks, 1), (torch.stack(qs, 1) if qs else None)
 
-    def _draft_tree(self, slots, L_max: int, h_root, q_root_logits, depth: int, ctx: "_Sampling"):
+    def _draft_tree(self, slots, L_max: int, h_root, q_root_logits, depth: int, ctx: SpecSampling):
         """EAGLE-2 dynamic tree: expand the k best nodes of each depth, keep the best `budget`.
 
         Candidates are indexed 0..M-1 (0 = the root x_L). Expanded nodes are appended to the
@@ -412,6 +350,7 @@ class SpecSession:
         draft_logp = cand_q[rows, keep]  # (B, N, V) node -> q for its children
         return tok[rows, keep][:, 1:], new_parents[:, 1:], draft_logp, keep_valid[:, 1:], verified[:, 1:]
 
+
 def fit_groups(starts: list[int], counts: list[int], capacity: int) -> list[list[int]]:
     """Split rows into groups whose padded write fits a cache of `capacity` positions.
 
@@ -456,19 +395,6 @@ class _Commit:
         return self.feats[:, :width], self.emitted[:, :width]
 
 
-@dataclass
-class _Verified:
-    """What a verify block leaves for `SpecSession._commit`."""
-
-    block_tokens: torch.Tensor  # (B, N) root, then the drafted tokens / nodes
-    out: object  # the target's ModelOutput over the block
-    path: torch.Tensor | None  # (B, W) accepted nodes, root first, -1 padded; None: the block's first
-    #                            n_acc + 1 nodes (chains), so nothing is gathered
-    n_acc: torch.Tensor  # (B,) accepted drafts
-    next_tok: torch.Tensor  # (B,) the target's own token after them
-    drafted_depths: torch.Tensor | int  # (B,) deepest drafted node along which acceptance was tested (a chain: gamma)
-
-
 def _with_pruned_siblings(keep, keep_valid, cand_parents, cand_valid):
     """Rejection sampling over siblings needs every drafted sibling that precedes an accepted
     one in draw order; pruned siblings whose parent is kept are added back as unverified.
@@ -488,65 +414,3 @@ def _with_pruned_siblings(keep, keep_valid, cand_parents, cand_valid):
     par = cand_parents.gather(1, nodes)  # (B, W)
     out_par = torch.where(out_valid & (par >= 0), pos.gather(1, par.clamp(min=0)), -1)
     return nodes, out_par, out_valid, kept.gather(1, nodes) & out_valid
-
-
-class _Sampling:
-    """The sampling rule of one speculative step, applied identically to draft and target."""
-
-    def __init__(self, params: SamplingParams, engine, states, depth: int):
-        self.params, self.depth = params, depth
-        self.generator = engine.generator
-        if params.greedy:
-            self.mode = "greedy"
-        else:
-            self.mode = "coupled" if engine.config.sampling_mode == "coupled" else "rejection"
-        if self.mode == "coupled":  # the noise of tokens x_{L+1} .. x_{L+1+depth}: (B, depth + 1, V)
-            dev = engine.device
-            rids = torch.tensor([s.request_id for s in states], device=dev)
-            first_step = torch.tensor([len(s.tokens) for s in states], device=dev)  # index of x_{L+1}
-            self.noise = coupled_noise(params.seed, rids, first_step, depth + 1, engine.model.cfg.vocab_size)
-
-    def process(self, logits: torch.Tensor) -> torch.Tensor:
-        """Log-probs to draw from. Greedy keeps the full draft distribution (not one-hot) so trees
-        can rank several children; greedy verification looks at the target's argmax only."""
-        p = self.params
-        if self.mode == "greedy":
-            return logits.float().log_softmax(-1)
-        return process_logits(logits, p.temperature, p.top_k, p.top_p)
-
-    def propose(self, q: torch.Tensor, depth: int) -> torch.Tensor:
-        if self.mode == "greedy":
-            return q.argmax(-1)
-        if self.mode == "coupled":
-            return acc.propose_coupled(q, self.noise[:, depth])
-        return torch.multinomial(q.exp(), 1, generator=self.generator)[:, 0]
-
-    def children(self, q: torch.Tensor, k: int, depth: int):
-        if self.mode == "greedy":
-            top = q.topk(min(k, q.shape[-1]), dim=-1)
-            return top.indices, torch.isfinite(top.values)
-        if self.mode == "coupled":  # q may hold several parents per sequence: (B * P, V)
-            per_row = q.shape[0] // self.noise.shape[0]
-            return acc.propose_coupled_topk(q, k, self.noise[:, depth].repeat_interleave(per_row, 0))
-        return acc.sample_children_without_replacement(q, k, self.generator)
-
-    def verify_chain(self, draft_tokens, draft_logp, target_logits):
-        """-> (accepted drafts (B,), the target's next token (B,)). Greedy reads the raw logits;
-        the sampled modes the processed distribution."""
-        if self.mode == "greedy":
-            return acc.verify_chain_greedy(draft_tokens, target_logits)
-        if self.mode == "coupled":
-            return acc.verify_chain_coupled(draft_tokens, self.process(target_logits), self.noise)
-        return acc.verify_chain_rejection(draft_tokens, draft_logp, self.process(target_logits), self.generator)
-
-    def verify_tree(self, parents, tokens, valid, verified, draft_logp, target_logits, max_children: int):
-        """-> (accepted path (B, D+1), accepted drafts (B,), the target's next token (B,)).
-        The drafted depth and `max_children` (the tree's top-k) bound the walk: no read of the tree."""
-        if self.mode == "greedy":  # the drafted depth bounds the path: no read of the tree's depth
-            return acc.verify_tree_greedy(parents, tokens, verified, target_logits, self.depth)
-        if self.mode == "coupled":
-            return acc.verify_tree_coupled(parents, tokens, verified, self.process(target_logits), self.noise,
-                                           self.depth)
-        return acc.verify_tree_rejection(parents, tokens, valid, draft_logp, self.process(target_logits),
-                                         self.generator, verified=verified, max_depth=self.depth,
-                                         max_children=max_children)

@@ -409,6 +409,10 @@ class VLLMEngine:
         return {k: v.clone() for k, v in self.draft.state_dict().items()}, self.version
 
     @property
+    def draft_version(self) -> int | None:
+        return self.version if self.draft is not None else None
+
+    @property
     def draft_faults(self) -> list[str]:
         return self.faults
 

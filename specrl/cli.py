@@ -1,25 +1,145 @@
 """The `specrl` command. Bad input ends with one line on stderr and exit code 2.
 
-One error path for all of it: ValueError (config, input and checkpoint errors), every OSError
-(a file where a folder should be, a read-only or full disk, ...; named with its path), and the
-few OS failures libraries report as other types (torch reports a full disk while saving as a
-RuntimeError). Checks that need no work run first, so nothing is trained before a bad argument
-is refused; saves are atomic (target_training.checkpoint), so a failure leaves what was saved.
+One error path for all of it: a flag out of its bounds (checked by the flag's argparse type, so
+the message names the flag as typed), ValueError (config, input and checkpoint errors), every
+OSError (a file where a folder should be, a read-only or full disk, ...; named with its path),
+and the few OS failures libraries report as other types (torch reports a full disk while saving
+as a RuntimeError). Checks that need no work run first, so nothing is trained before a bad
+argument is refused; saves are atomic (target_training.checkpoint), so a failure leaves what was
+saved. Ctrl-C ends with one line saying how to go on, and exit code 130. A finished command
+prints its headline figures and where its files are.
+
+Experiments and benchmarks live in experiments/; the CLI reaches them only through COMMANDS,
+imported when their command runs.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
+import shlex
 import sys
 from pathlib import Path
 
+# The function each command runs, as "module:function", imported when the command runs. A
+# module's `headline(result)` (where it has one) gives the figures the command ends with.
+COMMANDS = {
+    "train-rl": "specrl.train_rl:train_rl",
+    "train-draft": "specrl.drafts:train_draft_command",
+    "drift": "experiments.drift:run_drift",
+    "bench generate": "experiments.bench.generate:bench_generate",
+    "bench speed": "experiments.bench.speed:bench_speed",
+    "bench profile": "experiments.bench.profile:bench_profile",
+    "bench overlap": "experiments.bench.overlap:bench_overlap",
+    "bench overlap --phases": "experiments.bench.overlap:bench_overlap_phases",
+}
+DRIFT_PRESETS = "experiments.drift:DRIFT_PRESETS"
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="quick", help="run preset: ci, quick, speed, drift or full")
+TASK_HELP = ("a built-in task (arith, sort) or a local task file: .jsonl (one JSON object per line) or .parquet, "
+             "with string fields 'prompt' and 'answer' (exact-match reward on the text after the last 'ans ', "
+             "else the whole completion) and an optional 'split' ('train', or one of heldout/test/eval/validation/"
+             "valid/val; without it a stable hash of the prompt holds out 1 prompt in 8)")
+
+
+def resolve(target: str):
+    """The object a "module:name" string names, importing its module."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class UsageError(ValueError):
+    """A command line argparse refused (unknown flag, bad choice, a value out of its bounds)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # "argument --steps: must be ..." reads as "--steps must be ..."
+        head, sep, rest = message.partition(": ")
+        if head.startswith("argument ") and rest.startswith("must "):
+            message = f"{head[len('argument '):]} {rest}"
+        raise UsageError(message)
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's bounds (its type's `bounds`) and its default where it has one (not for
+    switches and unset options)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        bounds = getattr(action.type, "bounds", None)
+        if bounds:
+            text += f" [{bounds}]"
+        if action.required or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return text + " (default: %(default)s)"
+
+
+# -- flag types: bounds checked where the flag is parsed ----------------------------------------
+def _int_in(lo: int, hi: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}" if hi is not None
+                                             else f"must be >= {lo}, got {v}")
+        return v
+    parse.bounds = f"{lo}..{hi}" if hi is not None else f">= {lo}"
+    return parse
+
+
+def int_list(most: int):
+    """A flag type: a comma-separated list of positive integers, each at most `most`."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a comma-separated list of integers, got {text!r}") from None
+        if not values or min(values) <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive integers, got {text!r}")
+        if max(values) > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most}, got {max(values)}")
+        return values
+    parse.bounds = f"comma-separated, each 1..{most}"
+    return parse
+
+
+def _temperature(text: str) -> float:
+    from rollout.protocol import SamplingParams
+
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    try:
+        SamplingParams(temperature=v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("temperature ")) from None
+    return v
+
+
+_temperature.bounds = "finite, >= 0"
+
+
+def _seed(text: str) -> int:
+    from specrl.setup import check_seed
+
+    try:
+        v = int(text)
+        check_seed(v)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--seed ") if str(e).startswith("--seed")
+                                         else f"must be an integer, got {text!r}") from None
+    return v
+
+
+def _add_common(p: argparse.ArgumentParser, presets, default: str = "quick") -> None:
+    p.add_argument("--preset", default=default, choices=list(presets), help="run preset")
     p.add_argument("--out", required=True, type=Path, help="output folder")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cache-dir", type=Path, default=None, help="where SFT warm starts are cached (default ~/.cache/specrl or $SPECRL_CACHE)")
-    p.add_argument("--task", default="arith", help="arith, sort, or a local .jsonl/.parquet file")
+    p.add_argument("--seed", type=_seed, default=0, help="random seed")
+    p.add_argument("--cache-dir", type=Path, default=None,
+                   help="where SFT warm starts and offline drafts are cached (default ~/.cache/specrl or $SPECRL_CACHE)")
+    p.add_argument("--task", default="arith", help=TASK_HELP)
 
 
 def _engine_options(args) -> dict:
@@ -28,106 +148,104 @@ def _engine_options(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from importlib.metadata import version
+
+    from rollout.engine import MAX_BATCH
+    from rollout.speculative import MAX_SPEC_DEPTH, MAX_TREE_BUDGET
+    from specrl.presets import MAX_RL_STEPS, RL_PRESETS
     from target_training.model import MOE_DISPATCHES
 
-    parser = argparse.ArgumentParser(prog="specrl", description="online speculative-decoding co-training for LLM RL")
-    sub = parser.add_subparsers(dest="command", required=True)
+    rl = list(RL_PRESETS)
+    batches = int_list(MAX_BATCH)
+    steps_help = "GRPO steps (default: the preset's)"
+    kw = {"formatter_class": _HelpFormatter}
+    parser = _Parser(prog="specrl", description="online speculative-decoding co-training for LLM RL", **kw)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version('specrl')}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    p = sub.add_parser("train-rl", help="SFT warm start + GRPO on a verifiable task")
-    _add_common(p)
-    p.add_argument("--steps", type=int, default=None, help="override the preset's number of GRPO steps")
+    p = sub.add_parser("train-rl", help="SFT warm start + GRPO on a verifiable task", **kw)
+    _add_common(p, rl)
+    p.add_argument("--steps", type=_int_in(1, MAX_RL_STEPS), default=None, help=steps_help)
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--spec", default="off", choices=["off", "frozen", "online"],
                    help="speculative rollouts: off, with the offline draft frozen, or co-trained online")
     p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="rollout engine: specrl's embedded PyTorch engine, or vLLM (installed separately)")
 
-    p = sub.add_parser("train-draft", help="train the starting EAGLE-3 draft offline on a policy's rollouts")
-    _add_common(p)
+    p = sub.add_parser("train-draft", help="train the starting EAGLE-3 draft offline on a policy's rollouts", **kw)
+    _add_common(p, rl)
     p.add_argument("--policy", type=Path, default=None,
                    help="policy checkpoint folder (e.g. RUN/ckpt); default: the preset's SFT warm start")
 
-    p = sub.add_parser("bench", help="benchmarks that print and save JSON")
-    bsub = p.add_subparsers(dest="bench", required=True)
-    g = bsub.add_parser("generate", help="plain generation tokens/s at batch 1, 4, 16")
-    _add_common(g)
-    g.add_argument("--batches", default="1,4,16")
-    s = bsub.add_parser("speed", help="plain vs chain vs tree speculative decoding at batch 1, 4, 16")
-    _add_common(s)
-    s.add_argument("--batches", default="1,4,16")
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--gamma", type=int, default=None,
-                   help="chain length of the chain rows, the controller using 1..gamma (default: the preset's "
-                        "chain length, 4 for quick and 6 for speed)")
-    s.add_argument("--repeats", type=int, default=None, help="timed calls per arm and batch, after a warm-up (default: "
-                                                            "5 embedded, 3 vllm); the best is reported, the bound's "
-                                                            "parts pool all of them")
-    s.add_argument("--prompts-per-batch", type=int, default=3, metavar="N",
+    p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO "
+                                     "moves the policy", **kw)
+    _add_common(p, resolve(DRIFT_PRESETS))
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--reference-every", type=_int_in(0), default=None, metavar="N",
+                   help="retrain the reference draft at every N-th evaluation point (0: at the end only; "
+                        "default: the preset's, every point for full)")
+    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                   help="rollout and evaluation engine (vllm: installed separately; arms decode greedily)")
+    p.add_argument("--steps", type=_int_in(1, MAX_RL_STEPS), default=None,
+                   help=steps_help + "; fewer shortens the run (a reduced run: say so when quoting it)")
+    p.add_argument("--deep-target", default=None, metavar="PRESET",
+                   help="after the run, the same speed-against-batch sweep on this model preset's SFT policy and "
+                        "offline draft, e.g. speed (a 12-layer target); '' for none (default: the preset's, "
+                        "speed for full)")
+
+    p = sub.add_parser("bench", help="benchmarks that print and save JSON (see `specrl bench`)", **kw)
+    bsub = p.add_subparsers(dest="bench", metavar="BENCHMARK", parser_class=_Parser)
+    g = bsub.add_parser("generate", help="plain generation tokens/s per batch size", **kw)
+    _add_common(g, rl)
+    g.add_argument("--batches", type=batches, default="1,4,16", help="batch sizes")
+    s = bsub.add_parser("speed", help="plain vs chain, tree and adaptive speculative decoding per batch size, "
+                                      "with the bound; sweeps with --gammas and --tree-budgets", **kw)
+    _add_common(s, rl)
+    s.add_argument("--batches", type=batches, default="1,4,16", help="batch sizes")
+    s.add_argument("--gammas", type=int_list(MAX_SPEC_DEPTH), default=None,
+                   help="chain lengths, one chain arm each; the adaptive arm picks among 1..the longest "
+                        "(default: the preset's chain length, 4 for quick and 6 for speed)")
+    s.add_argument("--tree-budgets", type=int_list(MAX_TREE_BUDGET), default=None,
+                   help="draft tokens per tree, one tree arm each (depth 4, top-4; default 12; embedded only)")
+    s.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature (0: greedy)")
+    s.add_argument("--repeats", type=_int_in(1, 100), default=None,
+                   help="timed calls per arm and batch, after a warm-up (default: 5 embedded, 3 vllm); the best "
+                        "is reported, the bound's parts pool all of them")
+    s.add_argument("--prompts-per-batch", type=_int_in(1, 64), default=3, metavar="N",
                    help="requests per batch slot: batch B decodes B * N prompts, so the engine refills each "
-                        "slot N - 1 times and ends with a partial-batch tail (default 3)")
+                        "slot N - 1 times and ends with a partial-batch tail")
     s.add_argument("--moe-dispatch", default="exact", choices=list(MOE_DISPATCHES),
                    help="(embedded) how the target's MoE runs decode and verify blocks: exact (bitwise the "
                         "training dispatch) or dense (every expert on every token at small blocks: no host read, "
-                        "equal to exact to rounding); default exact")
+                        "equal to exact to rounding)")
     s.add_argument("--compile-forwards", action="store_true",
                    help="(embedded) compile the target's small decode/verify blocks into static graphs "
                         "(torch.compile, eager fallback; the draft stays eager); each engine decodes the "
                         "prompts once untimed first")
     s.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="embedded: plain/chain/tree/adaptive on specrl's engine; vllm: vLLM plain vs EAGLE-3 "
-                        "vs the embedded engine (greedy)")
+                        "vs the embedded engine (greedy, one chain length)")
     s.add_argument("--online-draft", type=Path, default=None, metavar="DIR",
                    help="(--engine vllm) a draft folder to time beside the offline draft, e.g. a drift run's")
-    f = bsub.add_parser("profile", help="where plain and chain-speculative engine steps spend their time")
-    _add_common(f)
-    f.add_argument("--batches", default="1,4,16")
-    f.add_argument("--temperature", type=float, default=0.0)
+    f = bsub.add_parser("profile", help="where plain and chain-speculative engine steps spend their time", **kw)
+    _add_common(f, rl)
+    f.add_argument("--batches", type=batches, default="1,4,16", help="batch sizes")
+    f.add_argument("--temperature", type=_temperature, default=0.0, help="sampling temperature (0: greedy)")
     f.add_argument("--moe-dispatch", default="exact", choices=list(MOE_DISPATCHES), help="as for bench speed")
     f.add_argument("--compile-forwards", action="store_true", help="as for bench speed")
-    o = bsub.add_parser("overlap", help="RL step time with no draft training, sequential and overlapped co-training")
-    _add_common(o)
-    o.add_argument("--steps", type=int, default=8, help="timed RL steps per arm (after --warmup)")
-    o.add_argument("--warmup", type=int, default=2)
-    o.add_argument("--block", type=int, default=4, help="consecutive RL steps per arm before the next arm's turn")
+    o = bsub.add_parser("overlap", help="RL step time with no draft training, sequential and overlapped co-training",
+                        **kw)
+    _add_common(o, rl)
+    o.add_argument("--timed-steps", type=_int_in(1, MAX_RL_STEPS), default=8, help="timed RL steps per arm")
+    o.add_argument("--warmup", type=_int_in(0), default=2, help="untimed RL steps per arm before them")
+    o.add_argument("--block", type=_int_in(1), default=4, help="consecutive RL steps per arm before the next arm's turn")
     o.add_argument("--phases", action="store_true",
                    help="instead: a rollout alone, with draft updates in line, and with them overlapped, per batch size")
-    o.add_argument("--batches", default="1,4,16,64", help="(--phases) rollout batch sizes")
-    o.add_argument("--updates", type=int, default=2, help="(--phases) draft updates per rollout")
-
-    p = sub.add_parser("drift", help="the drift experiment: plain / frozen / online / reference drafts as GRPO moves the policy")
-    _add_common(p)
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--reference-every", type=int, default=None, metavar="N",
-                   help="retrain the reference draft at every N-th evaluation point (0: at the end only; "
-                        "default: the preset's, every point for full)")
-    p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
-                   help="rollout and evaluation engine (vllm: installed separately; arms decode greedily)")
-    p.add_argument("--steps", type=int, default=None,
-                   help="shorten the preset's RL run to this many GRPO steps (a reduced run; say so when quoting it)")
-    p.add_argument("--deep-target", default=None, metavar="PRESET",
-                   help="after the run, the same speed-against-batch sweep on this model preset's SFT policy and "
-                        "offline draft, e.g. speed (a 12-layer target); '' for none (default: the preset's, "
-                        "speed for full)")
-    p = sub.add_parser("speed", help="speed sweeps over batch size, chain length and tree budget, with the bound")
-    _add_common(p)
-    p.add_argument("--batches", default="1,4,16,64")
-    p.add_argument("--gammas", default="1,2,4,6", help="chain lengths")
-    p.add_argument("--tree-budgets", default="4,8,16", help="draft tokens per tree")
-    p.add_argument("--temperature", type=float, default=1.0)
+    o.add_argument("--batches", type=batches, default="1,4,16,64", help="(--phases) rollout batch sizes")
+    o.add_argument("--updates", type=_int_in(1), default=2, help="(--phases) draft updates per rollout")
+    parser.bench_parser = p  # `specrl bench` alone lists its benchmarks
     return parser
-
-
-def _positive_ints(text: str, what: str, most: int) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} must be a comma-separated list of integers, got {text!r}") from None
-    if not values or min(values) <= 0:
-        raise ValueError(f"{what} must be positive integers, got {text!r}")
-    if max(values) > most:
-        raise ValueError(f"{what} must be at most {most}, got {max(values)}")
-    return values
 
 
 def _check_folder(flag: str, path: Path | None) -> None:
@@ -143,102 +261,109 @@ def _check_folder(flag: str, path: Path | None) -> None:
         raise ValueError(f"{flag} {path} is not a folder{where}")
 
 
-def _check_common(args: argparse.Namespace) -> None:
-    from rollout.engine import MAX_BATCH
-    from rollout.protocol import SamplingParams
-    from specrl.train_rl import check_seed
-
-    check_seed(args.seed)
-    _check_folder("--out", args.out)
-    _check_folder("--cache-dir", args.cache_dir)
-    if getattr(args, "temperature", None) is not None:
-        try:
-            SamplingParams(temperature=args.temperature)
-        except ValueError as e:
-            raise ValueError(f"--{e}") from None
-    args.batch_list = (_positive_ints(args.batches, "--batches", MAX_BATCH)
-                       if getattr(args, "batches", None) is not None else None)
+def command_key(args: argparse.Namespace) -> str:
+    """The COMMANDS key of a parsed command line."""
+    if args.command != "bench":
+        return args.command
+    return f"bench {args.bench}" + (" --phases" if args.bench == "overlap" and args.phases else "")
 
 
-def run(args: argparse.Namespace) -> dict:
-    _check_common(args)
-    if args.command == "train-rl":
-        from specrl.presets import MAX_RL_STEPS
-        from specrl.train_rl import train_rl
-
-        if args.steps is not None and not 0 < args.steps <= MAX_RL_STEPS:
-            raise ValueError(f"--steps must be in [1, {MAX_RL_STEPS}], got {args.steps}")
-        return train_rl(args.task, args.preset, args.out, seed=args.seed, resume=args.resume, steps=args.steps,
-                        cache_dir=args.cache_dir, progress=not args.no_progress, spec=args.spec,
-                        engine=args.engine)
-    if args.command == "train-draft":
-        from specrl.drafts import train_draft_command
-
-        return train_draft_command(args.task, args.preset, args.out, policy_path=args.policy, seed=args.seed,
-                                   cache_dir=args.cache_dir)
-    if args.command == "bench" and args.bench == "generate":
-        from specrl.bench import bench_generate
-
-        return bench_generate(args.task, args.preset, args.out, args.batch_list,
-                              seed=args.seed, cache_dir=args.cache_dir)
-    if args.command == "bench" and args.bench == "speed":
-        from rollout.speculative import MAX_SPEC_DEPTH
-        from specrl.bench import bench_speed
-
-        if args.gamma is not None and not 0 < args.gamma <= MAX_SPEC_DEPTH:
-            raise ValueError(f"--gamma must be in [1, {MAX_SPEC_DEPTH}], got {args.gamma}")
-        if args.repeats is not None and not 0 < args.repeats <= 100:
-            raise ValueError(f"--repeats must be in [1, 100], got {args.repeats}")
-        if not 0 < args.prompts_per_batch <= 64:
-            raise ValueError(f"--prompts-per-batch must be in [1, 64], got {args.prompts_per_batch}")
-        # unset --repeats / --gamma: each engine's default (the embedded one takes the preset's chain length)
-        options = {"prompts_per_batch": args.prompts_per_batch, **({} if args.repeats is None else {"repeats": args.repeats})}
+def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
+    """The positional and keyword arguments of the command's function."""
+    common = {"seed": args.seed, "cache_dir": args.cache_dir}
+    key = command_key(args)
+    if key == "train-rl":
+        return (args.task, args.preset, args.out), {**common, "resume": args.resume, "steps": args.steps,
+                                                    "progress": not args.no_progress, "spec": args.spec,
+                                                    "engine": args.engine}
+    if key == "train-draft":
+        return (args.task, args.preset, args.out), {**common, "policy_path": args.policy}
+    if key == "drift":
+        return (args.preset, args.out), {**common, "task": args.task, "progress": not args.no_progress,
+                                         "reference_every": args.reference_every, "engine": args.engine,
+                                         "rl_steps": args.steps, "deep_target": args.deep_target}
+    pos = (args.task, args.preset, args.out)
+    if key == "bench generate":
+        return (*pos, args.batches), common
+    if key == "bench speed":
         if args.engine == "vllm":
-            from specrl.bench_vllm import bench_speed_vllm
-
             if args.moe_dispatch != "exact" or args.compile_forwards:
                 raise ValueError("--moe-dispatch and --compile-forwards are options of the embedded engine; "
                                  "drop them with --engine vllm")
             if args.temperature != 0.0:
                 raise ValueError("--engine vllm benchmarks greedy decoding only (its rows check token identity, "
                                  "which sampled speculation on vLLM keeps in law only); drop --temperature")
-            return bench_speed_vllm(args.task, args.preset, args.out, args.batch_list, seed=args.seed,
-                                    cache_dir=args.cache_dir, online_draft_dir=args.online_draft,
-                                    **({} if args.gamma is None else {"gamma": args.gamma}), **options)
-        if args.online_draft is not None:
+            if args.tree_budgets is not None:
+                raise ValueError("--tree-budgets: --engine vllm runs chains only; drop it")
+            if args.gammas is not None and len(args.gammas) != 1:
+                raise ValueError("--gammas: --engine vllm times one chain length; give one")
+        elif args.online_draft is not None:
             raise ValueError("--online-draft needs --engine vllm")
-        return bench_speed(args.task, args.preset, args.out, args.batch_list,
-                           seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                           chain_gamma=args.gamma, engine_options=_engine_options(args), **options)
-    if args.command == "bench" and args.bench == "profile":
-        from specrl.bench import bench_profile
+        return (*pos, args.batches), {**common, "engine": args.engine, "gammas": args.gammas,
+                                      "tree_budgets": args.tree_budgets, "temperature": args.temperature,
+                                      "repeats": args.repeats, "prompts_per_batch": args.prompts_per_batch,
+                                      "online_draft_dir": args.online_draft,
+                                      "engine_options": _engine_options(args) if args.engine == "embedded" else None}
+    if key == "bench profile":
+        return (*pos, args.batches), {**common, "temperature": args.temperature, "engine_options": _engine_options(args)}
+    if key == "bench overlap --phases":
+        return pos, {**common, "batches": args.batches, "updates": args.updates}
+    if key == "bench overlap":
+        return pos, {**common, "steps": args.timed_steps, "warmup": args.warmup, "block": args.block}
+    raise ValueError(f"unknown command {key!r}")
 
-        return bench_profile(args.task, args.preset, args.out, args.batch_list,
-                             seed=args.seed, cache_dir=args.cache_dir, temperature=args.temperature,
-                             engine_options=_engine_options(args))
-    if args.command == "bench" and args.bench == "overlap":
-        from specrl.bench_overlap import bench_overlap, bench_overlap_phases
 
-        if args.phases:
-            return bench_overlap_phases(args.task, args.preset, args.out, batches=args.batch_list,
-                                        updates=args.updates, seed=args.seed, cache_dir=args.cache_dir)
-        return bench_overlap(args.task, args.preset, args.out, steps=args.steps, warmup=args.warmup, block=args.block, seed=args.seed,
-                             cache_dir=args.cache_dir)
-    if args.command == "drift":
-        from experiments.drift import run_drift
+def run(args: argparse.Namespace) -> dict:
+    _check_folder("--out", args.out)
+    _check_folder("--cache-dir", args.cache_dir)
+    pos, kw = _call(args)
+    return resolve(COMMANDS[command_key(args)])(*pos, **kw)
 
-        return run_drift(args.preset, args.out, seed=args.seed, task=args.task, cache_dir=args.cache_dir,
-                         progress=not args.no_progress, reference_every=args.reference_every,
-                         engine=args.engine, rl_steps=args.steps, deep_target=args.deep_target)
-    if args.command == "speed":
-        from experiments.speed import run_speed
-        from rollout.speculative import MAX_SPEC_DEPTH, MAX_TREE_BUDGET
 
-        return run_speed(args.out, preset=args.preset, task=args.task, batches=args.batch_list,
-                         gammas=_positive_ints(args.gammas, "--gammas", MAX_SPEC_DEPTH),
-                         tree_budgets=_positive_ints(args.tree_budgets, "--tree-budgets", MAX_TREE_BUDGET),
-                         temperature=args.temperature, seed=args.seed, cache_dir=args.cache_dir)
-    raise ValueError(f"unknown command {args.command!r}")
+# -- what a command ends with ------------------------------------------------------------------
+def _train_rl_headline(s: dict) -> list[tuple[str, str]]:
+    return [("held-out reward", f"{s['reward_start']:.3f} -> {s['reward_end']:.3f}"),
+            ("greedy accuracy", f"{s['greedy_accuracy_start']:.3f} -> {s['greedy_accuracy_end']:.3f}"),
+            ("RL steps", str(s["rl_steps"])), ("wall time", f"{s['wall_s']:.0f}s")]
+
+
+def _train_draft_headline(s: dict) -> list[tuple[str, str]]:
+    return [("draft", s["draft"]), ("draft vocabulary", str(s["draft_vocab_size"]))]
+
+
+HEADLINES = {"train-rl": _train_rl_headline, "train-draft": _train_draft_headline}
+
+
+def headline(key: str, result: dict) -> list[tuple[str, str]]:
+    """(label, figure) rows a finished command prints: its module's `headline`, else none."""
+    if key in HEADLINES:
+        return HEADLINES[key](result)
+    fn = getattr(importlib.import_module(COMMANDS[key].split(":")[0]), "headline", None)
+    return fn(result) if fn else []
+
+
+def format_end(key: str, result: dict, out: Path) -> str:
+    """A finished command's short table: its headline figures, then where its files and plots are."""
+    rows = headline(key, result)
+    files = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(out).iterdir()) if Path(out).is_dir() else []
+    plots = [f for f in files if f.endswith(".png")]
+    rows.append(("files", f"{out}/ ({', '.join(f for f in files if f not in plots) or 'none'})"))
+    if plots:
+        rows.append(("plots", ", ".join(plots)))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join([f"specrl {key}: done"] + [f"  {label:<{width}}  {value}" for label, value in rows])
+
+
+def interrupted_line(key: str, argv: list[str], out: Path) -> str:
+    """What Ctrl-C prints: how to go on from here."""
+    if key == "train-rl":
+        if Path(out).is_dir() and any(Path(out).iterdir()):
+            again = [a for a in argv if a != "--resume"] + ["--resume"]
+            return f"specrl: interrupted; continue with: specrl {shlex.join(again)}"
+        return f"specrl: interrupted before anything was saved; run it again: specrl {shlex.join(argv)}"
+    if key == "drift":
+        return f"specrl: interrupted; a drift run does not resume: run it again with another --out (or remove {out})"
+    return f"specrl: interrupted; nothing was saved (results are written at the end): run it again"
 
 
 # How OS failures look when a library reports them as something other than OSError.
@@ -261,9 +386,22 @@ def error_line(e: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"specrl: error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "bench" and args.bench is None:
+        parser.bench_parser.print_help()
+        return 0
+    key = command_key(args)
     try:
         result = run(args)
+    except KeyboardInterrupt:
+        print(interrupted_line(key, argv, args.out), file=sys.stderr)
+        return 130
     except Exception as e:
         msg = error_line(e)
         if msg is None:
@@ -271,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specrl: error: {msg}", file=sys.stderr)
         return 2
     if isinstance(result, dict):
-        print(json.dumps(result, indent=1))
+        print(format_end(key, result, args.out))
     return 0
 
 

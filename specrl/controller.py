@@ -29,7 +29,9 @@ rotating, so exploration costs at most 1 / explore_every of the steps.
 from __future__ import annotations
 
 import bisect
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
+
+from specrl.config import ControllerConfig
 
 
 def expected_accept_length(alpha: float, gamma: float) -> float:
@@ -55,33 +57,6 @@ def alpha_from_ratio(ratio: float, depth: float) -> float:
         else:
             hi = mid
     return 0.5 * (lo + hi)
-
-
-@dataclass
-class ControllerConfig:
-    gammas: tuple = (1, 2, 3, 4, 6)  # candidate chain lengths (tree budgets in tree mode)
-    margin: float = 1.05  # speculate only if its estimated throughput >= margin * plain
-    ema: float = 0.2  # EMA weight of a new measurement (a running mean until 1/ema samples)
-    explore_every: int = 50  # re-measure one non-chosen arm every this many decisions (0: never)
-    min_samples: int = 3  # samples per arm before exploiting
-    batch_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)
-    alpha_tokens: int = 16  # drafted tokens one observation needs to move alpha by a full `ema`
-
-    def __post_init__(self) -> None:
-        self.gammas = tuple(int(g) for g in self.gammas)
-        self.batch_buckets = tuple(int(b) for b in self.batch_buckets)
-        if not self.gammas or min(self.gammas) < 1 or len(set(self.gammas)) != len(self.gammas):
-            raise ValueError(f"ControllerConfig.gammas must be distinct positive ints, got {self.gammas}")
-        if not self.margin >= 1.0:
-            raise ValueError(f"ControllerConfig.margin must be >= 1.0, got {self.margin}")
-        if not 0.0 < self.ema <= 1.0:
-            raise ValueError(f"ControllerConfig.ema must be in (0, 1], got {self.ema}")
-        if self.explore_every < 0 or self.min_samples < 1 or self.alpha_tokens < 1:
-            raise ValueError(f"ControllerConfig needs explore_every >= 0, min_samples >= 1, alpha_tokens >= 1, got "
-                             f"{self.explore_every}, {self.min_samples}, {self.alpha_tokens}")
-        b = self.batch_buckets
-        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
-            raise ValueError(f"ControllerConfig.batch_buckets must be increasing positive ints, got {b}")
 
 
 class _Ema:

@@ -24,46 +24,17 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 
 from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
-from rollout.speculative import SpecConfig
 from specrl.buffer import FeatureBuffer
-from specrl.controller import ControllerConfig, SpeculationController
+from specrl.config import CoTrainConfig
+from specrl.controller import SpeculationController
 from specrl.draft_budget import DraftBudget
-from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer, check_draft_weights
+from specrl.online_trainer import OnlineDraftTrainer, check_draft_weights
 from specrl.overlap import OverlappedBursts
-from specrl.scheduler import DraftScheduler, SchedulerConfig
-
-MODES = ("off", "frozen", "online")
-SOURCES = ("trainer", "engine", "both")
-
-
-@dataclass
-class CoTrainConfig:
-    mode: str = "online"
-    spec: SpecConfig = field(default_factory=SpecConfig)
-    adaptive: bool = False  # let a SpeculationController pick plain/gamma per batch size
-    controller: ControllerConfig = field(default_factory=ControllerConfig)
-    feature_source: str = "trainer"  # where the buffer's features come from
-    buffer_bytes: int = 64 << 20
-    online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
-    recent_versions: int = 0  # train on features of the last N policy versions only (0: all)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    max_draft_steps: int = 64  # per RL step, across windows
-    min_buffer_records: int = 16
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"CoTrainConfig.mode must be one of {MODES}, got {self.mode!r}")
-        if self.feature_source not in SOURCES:
-            raise ValueError(f"CoTrainConfig.feature_source must be one of {SOURCES}, got {self.feature_source!r}")
-        if self.buffer_bytes <= 0 or self.max_draft_steps < 0 or self.min_buffer_records <= 0 or self.recent_versions < 0:
-            raise ValueError("CoTrainConfig: buffer_bytes and min_buffer_records must be positive, max_draft_steps >= 0")
-
+from specrl.scheduler import DraftScheduler
 
 class SpecCoTrainer:
     def __init__(self, draft, config: CoTrainConfig | None = None):

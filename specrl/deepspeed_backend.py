@@ -4,12 +4,12 @@ Why: on one device `OnlineDraftTrainer` is enough (the draft is one decoder laye
 policy trains on N GPUs, every GPU has idle windows and its own share of the feature buffer, so
 the draft should train data-parallel on all of them, with its optimizer state sharded (ZeRO 1)
 and its gradients too (ZeRO 2) so the draft costs each rank a fraction of its memory budget.
-This module runs the *same* step as the single-process trainer, from the parts
-`specrl.online_trainer` shares (`step_batch`, `step_loss`, `step_lr` with its warm-up,
-`step_metrics`): records from a `FeatureBuffer` (or any list of capture_features-style records),
-`draft_models.ttt.ttt_loss`, AdamW with the `OnlineDraftConfig` settings (the optimizer is built
-by `OnlineDraftTrainer` itself), gradient clipping at max_grad_norm over the global gradient.
-Only the reduction and the application of the gradients are DeepSpeed's.
+This module runs the *same* update as the single-process trainer,
+`draft_models.train.draft_update_step` with its warm-up (`warmup_lr`): records from a
+`FeatureBuffer` (or any list of capture_features-style records), `draft_models.ttt.ttt_loss`,
+AdamW with the `OnlineDraftConfig` settings (the optimizer is built by `OnlineDraftTrainer`
+itself), gradient clipping at max_grad_norm over the global gradient. Only the reduction and the
+application of the gradients are DeepSpeed's: `_ZeroBackend`, the update's `GradientBackend`.
 
 Equivalence: DeepSpeed averages gradients over ranks, and `ttt_loss` is a masked mean per TTT
 step; so N ranks on N shares of a global batch give the single-process update of the whole
@@ -28,7 +28,6 @@ collective the others skipped).
 """
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,8 +35,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from draft_models.train import collate, draft_update_step, set_lr, warmup_lr
 from draft_models.ttt import ttt_loss
-from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer, set_lr, step_batch, step_loss, step_lr, step_metrics
+from specrl.config import OnlineDraftConfig
+from specrl.online_trainer import OnlineDraftTrainer, step_metrics
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -100,6 +101,32 @@ class _TTTLoss(torch.nn.Module):
                         acceptance_weight=acceptance_weight)
 
 
+class _ZeroBackend:
+    """`draft_update_step`'s GradientBackend on a DeepSpeed engine: the loss runs through the
+    engine's forward; its step reduces the gradients over ranks, clips and applies them."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def loss(self, features, input_ids, target_logp, loss_mask, steps, acceptance_weight):
+        return self.engine(features, input_ids, target_logp, loss_mask, steps, acceptance_weight)
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        self.engine.backward(loss)
+        return True  # the norm is known only after the step, which clips
+
+    def step(self, lr: float) -> None:
+        set_lr(self.engine.optimizer, lr)
+        self.engine.step()
+
+    def discard(self) -> None:
+        self.engine.zero_grad()
+
+    def grad_norm(self) -> float:
+        gnorm = self.engine.get_global_grad_norm()
+        return float(gnorm) if gnorm is not None else float("nan")
+
+
 def shard(records: Sequence[dict], rank: int, world_size: int) -> list[dict]:
     """The contiguous share of a global batch that `rank` trains on (equal shares)."""
     if len(records) % world_size:
@@ -129,6 +156,7 @@ class DeepSpeedDraftTrainer:
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=_TTTLoss(draft), optimizer=base.optimizer, model_parameters=base._params,
             config=self.zero.build(self.config, self.world_size))
+        self.backend = _ZeroBackend(self.engine)
         self.version = 0
         self.counters = {"steps": 0, "updates": 0, "skipped_nonfinite": 0}
 
@@ -144,22 +172,17 @@ class DeepSpeedDraftTrainer:
         t0 = time.perf_counter()
         self.counters["steps"] += 1
         soft = self._all(all(r.get("target_logp") is not None for r in records))
-        records, batch = step_batch(records, self.device, next(self.draft.parameters()).dtype, soft=soft)
+        batch = collate(records, self.device, next(self.draft.parameters()).dtype, soft=soft)
         self.engine.train()
-        loss, metrics = step_loss(self.engine, batch, cfg)
-        ok = self._all(math.isfinite(metrics["loss"]))
-        if ok:
-            self.engine.backward(loss)
-            set_lr(self.engine.optimizer, step_lr(cfg, self.counters["updates"]))
-            self.engine.step()
+        update = draft_update_step(self.backend, batch, lr=warmup_lr(cfg.lr, cfg.warmup_steps, self.counters["updates"]),
+                                   ttt_steps=cfg.ttt_steps, acceptance_weight=cfg.acceptance_weight, agree=self._all)
+        if update.applied:
             self.version += 1
             self.counters["updates"] += 1
         else:
-            self.engine.zero_grad()
             self.counters["skipped_nonfinite"] += 1
-        gnorm = self.engine.get_global_grad_norm() if ok else float("nan")
-        metrics = step_metrics(metrics, records, grad_norm=float(gnorm) if gnorm is not None else float("nan"),
-                               soft=soft, ok=ok, version=self.version, t0=t0)
+        metrics = step_metrics(update.metrics, records, grad_norm=update.grad_norm, soft=soft, ok=update.applied,
+                               version=self.version, t0=t0)
         metrics["global_loss"] = self._mean(metrics["draft_loss"])
         return metrics
 

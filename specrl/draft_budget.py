@@ -34,45 +34,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
 
-RULES = ("fixed", "acceptance")
-
-
-@dataclass
-class DraftBudgetConfig:
-    rule: str = "fixed"  # "fixed": the cap every step; "acceptance": the rule in the module docstring
-    min_steps: int = 0  # floor, used when steady
-    base_steps: int = 1  # updates per step while acceptance holds but is not yet steady
-    falling_steps: int = 1  # extra updates when the newest rollout is below the trend
-    deficit_gain: float = 40.0  # extra updates per unit of relative accept-length deficit
-    kl_gain: float = 0.0  # extra updates per unit of reported policy KL (0: ignore KL)
-    kl_steady: float = 0.05  # a KL below this counts as a policy at rest
-    tolerance: float = 0.02  # relative deficit treated as noise
-    ema: float = 0.5  # weight of the newest accept length in its EMA
-    best_forget: float = 0.05  # per step, the running best moves this fraction of the way to the EMA
-    idle_after: int = 3  # steady steps in a row before dropping to min_steps
-    collapse_accept_length: float = 1.05  # accept length at or below this with speculation on: collapse
-    collapse_patience: int = 2  # rollouts in a row before the alarm
-
-    def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ValueError(f"DraftBudgetConfig.rule must be one of {RULES}, got {self.rule!r}")
-        for name in ("min_steps", "base_steps", "falling_steps", "idle_after"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"DraftBudgetConfig.{name} must be a non-negative integer, got {v!r}")
-        for name in ("deficit_gain", "kl_gain", "kl_steady", "tolerance", "best_forget"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
-                raise ValueError(f"DraftBudgetConfig.{name} must be a non-negative finite number, got {v!r}")
-        if not 0.0 < self.ema <= 1.0 or not 0.0 <= self.best_forget <= 1.0:
-            raise ValueError(f"DraftBudgetConfig.ema must be in (0, 1] and best_forget in [0, 1], got "
-                             f"{self.ema}, {self.best_forget}")
-        if self.collapse_accept_length < 1.0 or self.collapse_patience < 1:
-            raise ValueError(f"DraftBudgetConfig.collapse_accept_length must be >= 1 and collapse_patience >= 1, "
-                             f"got {self.collapse_accept_length}, {self.collapse_patience}")
-
+from specrl.config import DraftBudgetConfig
 
 class DraftBudget:
     """Per-step draft-update count (`steps(cap)`) and the collapse alarm; state is checkpointable."""

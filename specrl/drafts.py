@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -22,24 +22,11 @@ from draft_models.train import capture_features, train_offline
 from draft_models.vocab import build_draft_vocab, count_tokens
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from target_training.config import require_positive
-
-
-@dataclass
-class DraftTrainConfig:
-    n_sequences: int = 1024
-    steps: int = 300
-    lr: float = 3e-3
-    batch_size: int = 32
-    draft_vocab_size: int = 48
-    ttt_steps: int = 4
-    temperature: float = 1.0
-    max_new_tokens: int = 64
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        require_positive(self, ("n_sequences", "steps", "batch_size", "draft_vocab_size", "ttt_steps",
-                                "max_new_tokens", "lr"))
+from specrl.config import DraftTrainConfig
+from specrl.presets import get_preset
+from specrl.setup import build_task_and_policy, encode_prompts
+from target_training.checkpoint import load_checkpoint
+from target_training.sft import default_cache_dir
 
 
 def rollout_records(policy, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
@@ -119,11 +106,6 @@ def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache
 def train_draft_command(task_name: str, preset_name: str, out_dir, *, policy_path=None, seed: int = 0,
                         cache_dir=None) -> dict:
     """`specrl train-draft`: offline draft for a policy, saved in the SGLang EAGLE-3 layout."""
-    from specrl.presets import get_preset
-    from specrl.train_rl import build_task_and_policy, encode_prompts
-    from target_training.checkpoint import load_checkpoint
-    from target_training.sft import default_cache_dir
-
     preset = get_preset(preset_name)
     out = Path(out_dir) / "draft"
     if out.exists():

@@ -27,16 +27,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 import time
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from draft_models.checkpoint import draft_state_dict_for_sglang
-from draft_models.train import collate
-from draft_models.ttt import ttt_loss
+from draft_models.train import TorchBackend, collate, draft_update_step, warmup_lr
+from specrl.config import OnlineDraftConfig
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -60,48 +58,6 @@ class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
             return t
 
         super().__init__(pack, lambda t: t)
-
-
-@dataclass
-class OnlineDraftConfig:
-    lr: float = 1e-3
-    batch_size: int = 16
-    ttt_steps: int | None = None  # None: the draft config's ttt_steps
-    acceptance_weight: float = 0.0  # > 0 adds ttt_loss's expected-acceptance term
-    max_grad_norm: float = 1.0
-    prefer_rejected: float = 0.5  # sampling mix, see FeatureBuffer.sample
-    weight_decay: float = 0.0
-    warmup_steps: int = 0  # linear lr warm-up over the first updates: a fresh AdamW's first steps are
-    # sign-like (size ~lr on every weight) and would knock a well-trained starting draft off its optimum
-    snapshot_every: int = 8  # updates between copies of the last finite weights (what a rollback restores)
-
-    MAX_BATCH_SIZE = 1 << 16  # records per update; more would not fit any device (checked before collate)
-
-    def __post_init__(self) -> None:
-        def bad(name: str, why: str):
-            raise ValueError(f"OnlineDraftConfig.{name} {why}, got {getattr(self, name)!r}")
-
-        for name in ("lr", "max_grad_norm"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
-                bad(name, "must be a positive finite number")
-        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size <= 0:
-            bad("batch_size", "must be a positive integer")
-        if self.batch_size > self.MAX_BATCH_SIZE:
-            bad("batch_size", f"must be at most {self.MAX_BATCH_SIZE}")
-        if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every <= 0:
-            bad("snapshot_every", "must be a positive integer")
-        if self.ttt_steps is not None and (isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int)
-                                           or self.ttt_steps <= 0):
-            bad("ttt_steps", "must be None or a positive integer")
-        for name in ("acceptance_weight", "weight_decay"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
-                bad(name, "must be a non-negative finite number")
-        if not isinstance(self.prefer_rejected, (int, float)) or not 0.0 <= self.prefer_rejected <= 1.0:
-            bad("prefer_rejected", "must lie in [0, 1]")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            bad("warmup_steps", "must be a non-negative integer")
 
 
 def _all_finite(obj) -> bool:
@@ -130,37 +86,10 @@ def check_draft_weights(weights: dict, reference: dict) -> str | None:
     return None
 
 
-# ---------------------------------------------------------------------- the step's shared parts
-# One draft training step, shared by this trainer and the data-parallel DeepSpeed trainer
-# (specrl/deepspeed_backend.py): only how gradients are reduced and applied differs between them.
-def step_batch(records: list[dict], device, dtype, *, soft: bool) -> tuple[list[dict], dict]:
-    """The collated batch of one step: soft targets when `soft` (every record has target_logp),
-    else hard labels for the whole batch (collate needs one kind)."""
-    if not soft:
-        records = [{**r, "target_logp": None} for r in records]
-    return records, collate(records, device, dtype)
-
-
-def step_loss(loss_fn, batch: dict, cfg: OnlineDraftConfig):
-    """ttt_loss (or a module wrapping it) on a collated batch with the config's TTT settings."""
-    return loss_fn(batch["features"], batch["input_ids"], batch["target_logp"], batch["loss_mask"],
-                   cfg.ttt_steps, cfg.acceptance_weight)
-
-
-def step_lr(cfg: OnlineDraftConfig, updates_done: int) -> float:
-    """Learning rate of the next update: linear warm-up over `warmup_steps` updates, then flat."""
-    scale = min(1.0, (updates_done + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    return cfg.lr * scale
-
-
-def set_lr(optimizer, lr: float) -> None:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 def step_metrics(metrics: dict, records: list[dict], *, grad_norm: float, soft: bool, ok: bool, version: int,
                  t0: float) -> dict:
-    """ttt_loss's metrics plus the step's own (draft_loss, grad_norm, staleness, ...)."""
+    """The metrics of an online update on buffer records (this trainer's and the DeepSpeed
+    trainer's): ttt_loss's plus draft_loss, grad_norm, staleness, ..."""
     versions = [int(r["policy_version"]) for r in records if "policy_version" in r]
     draft_loss = metrics.pop("loss")
     metrics.update(draft_loss=draft_loss, grad_norm=grad_norm, soft_targets=soft, skipped_nonfinite=not ok,
@@ -168,13 +97,6 @@ def step_metrics(metrics: dict, records: list[dict], *, grad_norm: float, soft: 
                    staleness=(max(versions) - min(versions)) if versions else 0,
                    seconds=time.perf_counter() - t0)
     return metrics
-
-
-def _ttt(draft):
-    def loss_fn(features, input_ids, target_logp, loss_mask, steps, acceptance_weight):
-        return ttt_loss(draft, features, input_ids, target_logp, loss_mask, steps=steps,
-                        acceptance_weight=acceptance_weight)
-    return loss_fn
 
 
 class OnlineDraftTrainer:
@@ -191,8 +113,9 @@ class OnlineDraftTrainer:
                              "reference and never optimised")
         if not params:
             raise ValueError("the draft has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(params, lr=self.config.lr, betas=(0.9, 0.95),
-                                           weight_decay=self.config.weight_decay)
+        self.backend = TorchBackend(draft, params, lr=self.config.lr, weight_decay=self.config.weight_decay,
+                                    max_grad_norm=self.config.max_grad_norm)
+        self.optimizer = self.backend.optimizer
         self._params = params
         self.version = 0
         self.step_seconds: float | None = None  # running estimate of one update, for budgeting
@@ -243,24 +166,18 @@ class OnlineDraftTrainer:
             return {"draft_loss": float("nan"), "skipped_empty": True, "skipped_nonfinite": False,
                     "version": self.version, "seconds": time.perf_counter() - t0}
         soft = all(r.get("target_logp") is not None for r in records)
-        records, batch = step_batch(records, self.draft.fc.weight.device, self.draft.fc.weight.dtype, soft=soft)
+        batch = collate(records, self.draft.fc.weight.device, self.draft.fc.weight.dtype, soft=soft)
         was_training = self.draft.training
         self.draft.train()
         act = _SavedBytes(self._params, batch.values())
         try:
             with torch.enable_grad(), act:
-                loss, metrics = step_loss(_ttt(self.draft), batch, cfg)
-                self.optimizer.zero_grad(set_to_none=True)
-                ok = math.isfinite(metrics["loss"])
-                gnorm = float("nan")
-                if ok:
-                    loss.backward()
-                    gnorm = float(torch.nn.utils.clip_grad_norm_(self._params, cfg.max_grad_norm))
-                    ok = math.isfinite(gnorm)
+                update = draft_update_step(self.backend, batch, lr=warmup_lr(cfg.lr, cfg.warmup_steps,
+                                                                              self.counters["updates"]),
+                                           ttt_steps=cfg.ttt_steps, acceptance_weight=cfg.acceptance_weight)
+                metrics, gnorm, ok = update.metrics, update.grad_norm, update.applied
                 rolled_back = False
                 if ok:
-                    set_lr(self.optimizer, step_lr(cfg, self.counters["updates"]))
-                    self.optimizer.step()
                     if self.weights_finite():
                         self.version += 1
                         self.counters["updates"] += 1

@@ -22,7 +22,7 @@ sequential mode's on the same batches, and the run is reproducible.
 What it can gain depends on idle capacity: on a GPU the rollout's long tail and the Python
 overhead of small batches leave the device underused; on a CPU the burst competes for the same
 cores (and the Python interpreter lock) with the RL loop. `tests/test_overlap.py` checks
-correctness; `specrl.bench_overlap` measures what it hides.
+correctness; `specrl bench overlap` measures what it hides.
 """
 from __future__ import annotations
 

@@ -5,11 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rollout.speculative import SpecConfig
-from specrl.cotrain import CoTrainConfig
-from specrl.draft_budget import DraftBudgetConfig
-from specrl.drafts import DraftTrainConfig
-from specrl.online_trainer import OnlineDraftConfig
-from specrl.scheduler import SchedulerConfig
+from specrl.config import CoTrainConfig, DraftBudgetConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
 from target_training.config import require_positive
 from target_training.grpo import GRPOConfig
 from target_training.sft import SFTConfig

@@ -33,7 +33,7 @@ CUDA stream (GPU) while the next step runs (specrl.overlap); only the step bound
 it runs under the rollout only, and the wait for it there is charged too; with rollout_threads
 the RL loop runs with that many intra-op threads while the burst is in flight. Contention for
 the device is not visible to this accounting; measure it by timing steps with and without
-training (specrl.bench_overlap).
+training (`specrl bench overlap`).
 
 Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
 tensors: the draft's parameters and gradients, the optimizer state, the feature buffer, and the
@@ -47,67 +47,9 @@ step goes on. Without it the exception propagates.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
-from specrl.draft_budget import DraftBudgetConfig
-
-WINDOWS = ("tail", "between", "interleaved")
-
-
-@dataclass
-class SchedulerConfig:
-    budget_fraction: float = 0.05  # draft time per RL step, as a fraction of the RL step's own time
-    min_budget_s: float = 0.0
-    max_budget_s: float | None = None
-    tail_threshold: float = 0.25  # tail: n_active / n_slots at most this
-    memory_budget_bytes: int | None = 2**28  # None: no limit
-    windows: tuple = ("tail", "between")  # enabled windows, a subset of WINDOWS
-    ema: float = 0.3  # weight of the newest RL step in the step-time EMA
-    # how many updates a step may run (the cap is CoTrainConfig.max_draft_steps): "fixed" (the cap)
-    # or "acceptance" (more when acceptance falls or the policy moves); specrl.draft_budget
-    draft_steps: DraftBudgetConfig = field(default_factory=DraftBudgetConfig)
-    # "sequential": the windows above, on the RL loop's thread; "overlap": a burst per RL step runs on
-    # its own thread / CUDA stream while the next step runs, swapped in at the step boundary (specrl.overlap)
-    mode: str = "sequential"
-    overlap_threads: int = 1  # intra-op threads of the overlapped burst's thread (CPU)
-    # overlap: how long a burst may run. "step": until the next step boundary (under the rollout and
-    # the policy update); "rollout": it is collected when the rollout ends (SpecCoTrainer.on_rollout),
-    # so the policy update, which keeps every core busy, runs alone
-    overlap_until: str = "step"
-    # overlap: the RL loop's own intra-op threads while a burst runs (None: unchanged). On a CPU, 1
-    # leaves a core to the burst: small-batch decoding gains little from a second thread
-    # (specrl bench overlap --phases)
-    rollout_threads: int | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.windows, str):
-            raise ValueError(f"SchedulerConfig.windows must be a tuple of names, got the string {self.windows!r}")
-        self.windows = tuple(self.windows)
-        bad = [w for w in self.windows if w not in WINDOWS]
-        checks = [
-            (0.0 <= self.budget_fraction <= 1.0, f"budget_fraction must be in [0, 1], got {self.budget_fraction}"),
-            (self.min_budget_s >= 0.0, f"min_budget_s must be >= 0, got {self.min_budget_s}"),
-            (self.max_budget_s is None or self.max_budget_s >= self.min_budget_s,
-             f"max_budget_s must be None or >= min_budget_s, got {self.max_budget_s} < {self.min_budget_s}"),
-            (0.0 < self.tail_threshold <= 1.0, f"tail_threshold must be in (0, 1], got {self.tail_threshold}"),
-            (self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
-             f"memory_budget_bytes must be None or positive, got {self.memory_budget_bytes}"),
-            (not bad, f"windows must be among {WINDOWS}, got {bad}"),
-            (0.0 < self.ema <= 1.0, f"ema must be in (0, 1], got {self.ema}"),
-            (self.mode in ("sequential", "overlap"), f"mode must be 'sequential' or 'overlap', got {self.mode!r}"),
-            (isinstance(self.overlap_threads, int) and self.overlap_threads > 0,
-             f"overlap_threads must be a positive integer, got {self.overlap_threads!r}"),
-            (self.overlap_until in ("step", "rollout"),
-             f"overlap_until must be 'step' or 'rollout', got {self.overlap_until!r}"),
-            (self.rollout_threads is None or (isinstance(self.rollout_threads, int)
-                                              and not isinstance(self.rollout_threads, bool) and self.rollout_threads > 0),
-             f"rollout_threads must be None or a positive integer, got {self.rollout_threads!r}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(f"SchedulerConfig.{msg}")
-
+from specrl.config import WINDOWS, SchedulerConfig
 
 class DraftScheduler:
     """Grants draft-training time in idle windows; one begin_step() / end_step() per RL step."""

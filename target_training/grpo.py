@@ -111,6 +111,71 @@ def router_balance(expert_counts: torch.Tensor | None) -> float:
     return (ent / math.log(expert_counts.shape[-1])).mean().item()
 
 
+def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_size: int, cfg: GRPOConfig,
+                apply_gradients: Callable[[torch.Tensor], float | None], *, forward=None, ref_model=None,
+                aux_coef: float | None = None, microstep_hooks: Sequence[Callable[[int, int], None]] = ()) -> dict:
+    """One GRPO update of `model` on a rollout batch (groups of group_size consecutive
+    trajectories): ppo_epochs passes over minibatches of minibatch_size sequences, each a
+    clipped-surrogate loss (plus `aux_coef` times the router loss; None: none added) handed to
+    `apply_gradients(loss)`, which zeroes, backpropagates, clips and steps and returns the
+    gradient norm (None: not known). `forward(input_ids, response_mask, *, run_hooks)` ->
+    (logp (B, T), entropy (B, T), ModelOutput) defaults to the model's forward and
+    token_logprobs. Returns the metrics averaged over the updates, plus reward and response_len."""
+    if forward is None:
+        def forward(input_ids, response_mask, *, run_hooks):
+            out = model(input_ids)
+            return (*token_logprobs(out.logits, input_ids, cfg.temperature), out)
+    dev = next(model.parameters()).device
+    batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
+    adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), group_size, cfg.adv_eps).to(dev)
+    ref_logp = None
+    if ref_model is not None:
+        with torch.no_grad():
+            ref_logp, _ = token_logprobs(ref_model(batch["input_ids"]).logits, batch["input_ids"], cfg.temperature)
+    B = batch["input_ids"].shape[0]
+    mb = cfg.minibatch_size or B
+    engine_logp = batch["old_logp"]
+    single_update = cfg.ppo_epochs == 1 and mb >= B
+    if cfg.old_logprobs == "trainer" and not single_update:
+        with torch.no_grad():
+            batch["old_logp"] = torch.cat([forward(batch["input_ids"][lo: lo + mb], batch["response_mask"][lo: lo + mb],
+                                                   run_hooks=False)[0]
+                                           for lo in range(0, B, mb)])
+    sums: dict[str, float] = {}
+    n_updates = 0
+    total_updates = cfg.ppo_epochs * -(-B // mb)
+    model.train()
+    for epoch in range(cfg.ppo_epochs):
+        for lo in range(0, B, mb):
+            sl = slice(lo, lo + mb)
+            logp, ent, out = forward(batch["input_ids"][sl], batch["response_mask"][sl], run_hooks=epoch == 0)
+            mask = batch["response_mask"][sl]
+            old = logp.detach() if cfg.old_logprobs == "trainer" and single_update else batch["old_logp"][sl]
+            loss, m = grpo_loss(logp, old, adv[sl], mask, cfg.clip_eps,
+                                ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef)
+            if aux_coef is not None:
+                loss = loss + aux_coef * out.aux_loss
+            grad_norm = apply_gradients(loss)
+            mf = mask.float()
+            m.update(loss=loss.item(), aux_loss=out.aux_loss.item())
+            if grad_norm is not None:
+                m["grad_norm"] = grad_norm
+            m.update(entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
+                     logprob_mismatch=((engine_logp[sl] - logp.detach()).abs() * mf).max().item() if epoch == 0 else 0.0,
+                     router_balance=router_balance(out.expert_counts))
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + v
+            n_updates += 1
+            if n_updates < total_updates:
+                for hook in microstep_hooks:
+                    hook(n_updates, total_updates)
+    model.eval()
+    metrics = {k: v / n_updates for k, v in sums.items()}
+    metrics["reward"] = float(torch.as_tensor(rewards, dtype=torch.float32).mean())
+    metrics["response_len"] = float(batch["response_mask"].sum(1).float().mean())
+    return metrics
+
+
 class GRPOTrainer:
     def __init__(self, model: MoETransformer, config: GRPOConfig, *, ref_model: MoETransformer | None = None,
                  accelerator=None):
@@ -164,62 +229,22 @@ class GRPOTrainer:
     def step(self, trajectories: Sequence, rewards: Sequence[float], group_size: int) -> dict:
         """One GRPO update on a rollout batch (groups of group_size consecutive trajectories)."""
         cfg = self.config
-        dev = self.device
-        batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
-        adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), group_size, cfg.adv_eps).to(dev)
-        ref_logp = None
-        if self.ref_model is not None:
-            with torch.no_grad():
-                ref_logp, _ = token_logprobs(self.ref_model(batch["input_ids"]).logits, batch["input_ids"], cfg.temperature)
         aux_coef = cfg.aux_loss_coef if cfg.aux_loss_coef is not None else self.unwrapped.cfg.router_aux_loss_coef
-        B = batch["input_ids"].shape[0]
-        mb = cfg.minibatch_size or B
-        engine_logp = batch["old_logp"]
-        single_update = cfg.ppo_epochs == 1 and mb >= B
-        if cfg.old_logprobs == "trainer" and not single_update:
-            with torch.no_grad():
-                batch["old_logp"] = torch.cat([self.forward_logprobs(batch["input_ids"][lo: lo + mb],
-                                                                     batch["response_mask"][lo: lo + mb],
-                                                                     run_hooks=False)[0]
-                                               for lo in range(0, B, mb)])
-        sums: dict[str, float] = {}
-        n_updates = 0
-        total_updates = cfg.ppo_epochs * -(-B // mb)
-        self.model.train()
-        for epoch in range(cfg.ppo_epochs):
-            for lo in range(0, B, mb):
-                sl = slice(lo, lo + mb)
-                logp, ent, out = self.forward_logprobs(batch["input_ids"][sl], batch["response_mask"][sl],
-                                                       run_hooks=epoch == 0)
-                mask = batch["response_mask"][sl]
-                old = logp.detach() if cfg.old_logprobs == "trainer" and single_update else batch["old_logp"][sl]
-                loss, m = grpo_loss(logp, old, adv[sl], mask, cfg.clip_eps,
-                                    ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef)
-                loss = loss + aux_coef * out.aux_loss
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.accelerator is not None:
-                    self.accelerator.backward(loss)
-                else:
-                    loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
-                self.optimizer.step()
-                mf = mask.float()
-                m.update(loss=loss.item(), aux_loss=out.aux_loss.item(), grad_norm=grad_norm.item(),
-                         entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
-                         logprob_mismatch=((engine_logp[sl] - logp.detach()).abs() * mf).max().item() if epoch == 0 else 0.0,
-                         router_balance=router_balance(out.expert_counts))
-                for k, v in m.items():
-                    sums[k] = sums.get(k, 0.0) + v
-                n_updates += 1
-                if n_updates < total_updates:
-                    for hook in self.microstep_hooks:
-                        hook(n_updates, total_updates)
-        self.model.eval()
+        metrics = grpo_update(self.model, trajectories, rewards, group_size, cfg, self._apply_gradients,
+                              forward=self.forward_logprobs, ref_model=self.ref_model, aux_coef=aux_coef,
+                              microstep_hooks=self.microstep_hooks)
         self.step_count += 1
-        metrics = {k: v / n_updates for k, v in sums.items()}
-        metrics["reward"] = float(torch.as_tensor(rewards, dtype=torch.float32).mean())
-        metrics["response_len"] = float(batch["response_mask"].sum(1).float().mean())
         return metrics
+
+    def _apply_gradients(self, loss: torch.Tensor) -> float:
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.accelerator is not None:
+            self.accelerator.backward(loss)
+        else:
+            loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        return grad_norm.item()
 
     def state_dict(self) -> dict:
         return {"step": self.step_count, "optimizer": self.optimizer.state_dict()}

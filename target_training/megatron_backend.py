@@ -15,8 +15,8 @@ interchangeable:
   `target_training.hf_adapter`'s, the one HF <-> specrl converter.
 - `MegatronPolicy` wraps the GPTModel so that it returns specrl's `ModelOutput` (logits, final
   hidden, EAGLE-3 taps captured by forward hooks on `decoder.layers`), so `grpo.GRPOTrainer` and
-  the co-training feature hooks run unchanged on it; `grpo_step` is the update for Megatron's own
-  (distributed) optimizer, built on the same `token_logprobs` / `grpo_loss`.
+  the co-training feature hooks run unchanged on it; `grpo_step` is the same update (`grpo.grpo_update`)
+  for Megatron's own (distributed) optimizer.
 
 Load-balancing loss: Megatron attaches it to the router probabilities in training mode
 (MoEAuxLossAutoScaler) with `moe_aux_loss_coeff`, so its gradient arrives with the policy loss's
@@ -46,12 +46,13 @@ and is exercised only by the GPU test.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
 
 from target_training.config import MoEConfig
-from target_training.grpo import GRPOConfig, group_advantages, grpo_loss, pack_batch, token_logprobs
+from target_training.grpo import GRPOConfig, grpo_update
 from target_training.megatron_config import (MegatronBackendError, MegatronConfig, _megatron,  # noqa: F401
                                              destroy_parallel, initialize_parallel)
 from target_training.megatron_convert import (load_megatron_weights, megatron_to_specrl,  # noqa: F401
@@ -144,27 +145,20 @@ class MegatronPolicy(torch.nn.Module):
 
 def grpo_step(policy: MegatronPolicy, optimizer, trajectories, rewards, group_size: int, config: GRPOConfig,
               *, before_backward=None) -> dict:
-    """One on-policy GRPO update (ppo_epochs 1, whole batch) with any optimizer exposing
-    zero_grad() and step(): Megatron's distributed optimizer (whose step() clips with its own
-    clip_grad and returns (ok, grad_norm, zeros)) or a torch optimizer. Uses grpo.py's
-    pack_batch / group_advantages / token_logprobs / grpo_loss; `before_backward` lets the caller
-    zero Megatron's DDP grad buffers."""
-    dev = next(policy.parameters()).device
-    batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
-    adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), group_size, config.adv_eps).to(dev)
-    policy.train()
-    out = policy(batch["input_ids"])
-    logp, ent = token_logprobs(out.logits, batch["input_ids"], config.temperature)
-    loss, metrics = grpo_loss(logp, logp.detach(), adv, batch["response_mask"], config.clip_eps)
-    optimizer.zero_grad()
-    if before_backward is not None:
-        before_backward()
-    loss.backward()
-    result = optimizer.step()
-    policy.eval()
-    mf = batch["response_mask"].float()
-    metrics.update(loss=loss.item(), entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
-                   reward=float(torch.as_tensor(rewards, dtype=torch.float32).mean()))
-    if isinstance(result, tuple) and len(result) >= 2 and result[1] is not None:
-        metrics["grad_norm"] = float(result[1])
-    return metrics
+    """One on-policy GRPO update (ppo_epochs 1, whole batch; `grpo.grpo_update`) with any
+    optimizer exposing zero_grad() and step(): Megatron's distributed optimizer (whose step()
+    clips with its own clip_grad and returns (ok, grad_norm, zeros)) or a torch optimizer.
+    No router-loss term is added: Megatron attaches it to the router's graph itself.
+    `before_backward` lets the caller zero Megatron's DDP grad buffers."""
+    def apply_gradients(loss: torch.Tensor) -> float | None:
+        optimizer.zero_grad()
+        if before_backward is not None:
+            before_backward()
+        loss.backward()
+        result = optimizer.step()
+        if isinstance(result, tuple) and len(result) >= 2 and result[1] is not None:
+            return float(result[1])
+        return None
+
+    cfg = dataclasses.replace(config, ppo_epochs=1, minibatch_size=0, old_logprobs="trainer")
+    return grpo_update(policy, trajectories, rewards, group_size, cfg, apply_gradients)

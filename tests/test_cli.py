@@ -21,7 +21,7 @@ def _err_line(capsys):
 
 @pytest.mark.parametrize("argv, match", [
     (["--task", "nope"], "unknown task"),
-    (["--preset", "huge"], "unknown preset"),
+    (["--preset", "huge"], "--preset: invalid choice: 'huge'"),
     (["--steps", "0"], "--steps must be in [1, 1000000], got 0"),
 ])
 def test_bad_input_exit_2(tmp_path, cache, capsys, argv, match):
@@ -100,8 +100,10 @@ def test_bench_speed_bad_temperature(tmp_path, cache, capsys):
     (["bench", "generate", "--batches", "1000000000"], "--batches must be at most 4096, got 1000000000"),
     (["bench", "speed", "--temperature", "nan"], "--temperature must be a finite number >= 0, got nan"),
     (["bench", "speed", "--temperature", "inf"], "--temperature must be a finite number >= 0, got inf"),
-    (["speed", "--gammas", "100000"], "--gammas must be at most 64"),
-    (["speed", "--tree-budgets", "1000000"], "--tree-budgets must be at most 1024"),
+    (["bench", "speed", "--gammas", "100000"], "--gammas must be at most 64"),
+    (["bench", "speed", "--tree-budgets", "1000000"], "--tree-budgets must be at most 1024"),
+    (["bench", "overlap", "--timed-steps", "0"], r"--timed-steps must be in \[1, 1000000\], got 0"),
+    (["drift", "--steps", "0"], r"--steps must be in \[1, 1000000\], got 0"),
 ])
 def test_out_of_range_values_exit_2_before_any_work(tmp_path, capsys, argv, match):
     import re
@@ -259,7 +261,7 @@ def test_damaged_cached_offline_draft_does_not_block_resume(online_run, tmp_path
 
 def test_non_finite_metrics_are_written_as_null(tmp_path):
     """metrics.jsonl used to carry bare NaN, which is not JSON."""
-    from specrl.train_rl import append_row, read_metrics
+    from specrl.run_dir import append_row, read_metrics
 
     path = tmp_path / "metrics.jsonl"
     append_row(path, {"step": 0, "train/draft_loss": float("nan"), "x": [1.0, float("inf")], "y": {"z": -float("inf")}})
@@ -273,7 +275,7 @@ def test_non_finite_metrics_are_written_as_null(tmp_path):
     assert read_metrics(path)[0]["train/draft_loss"] is None
 
 
-@pytest.mark.parametrize("flag", ["--gamma", "--repeats", "--prompts-per-batch"])
+@pytest.mark.parametrize("flag", ["--gammas", "--repeats", "--prompts-per-batch"])
 def test_bench_speed_bad_gamma_or_repeats(tmp_path, capsys, flag):
     assert main(["bench", "speed", "--preset", "ci", "--out", str(tmp_path), flag, "0", "--batches", "1"]) == 2
     assert flag in _err_line(capsys)
@@ -298,3 +300,88 @@ def test_engine_vllm_without_vllm_is_one_line(tmp_path, cache, capsys, monkeypat
     line = _err_line(capsys)
     assert "vLLM is not installed" in line and "tests/lanes/vllm.sh" in line
     assert not (tmp_path / "r").exists()  # refused before any work
+
+
+# ---------------------------------------------------------------- the front door
+def test_version_and_bench_listing(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"specrl {version('specrl')}"
+    assert main(["bench"]) == 0  # the benchmarks listed, not a usage error
+    out = capsys.readouterr().out
+    assert all(name in out for name in ("generate", "speed", "profile", "overlap"))
+
+
+def test_help_lists_each_commands_presets_and_defaults(capsys):
+    from experiments.drift import DRIFT_PRESETS
+
+    with pytest.raises(SystemExit):
+        main(["drift", "--help"])
+    text = capsys.readouterr().out
+    assert "{" + ",".join(DRIFT_PRESETS) + "}" in text and "speed" not in text.split("--preset")[1].split("}")[0]
+    with pytest.raises(SystemExit):
+        main(["bench", "speed", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1,4,16)" in text and "(default: quick)" in text and "'prompt' and 'answer'" in text
+
+
+def test_a_bounded_flag_names_itself_in_one_line():
+    """In a subprocess: argparse's own refusal (usage line plus error) is one line too."""
+    r = subprocess.run([sys.executable, "-m", "specrl", "train-rl", "--out", "x", "--steps", "0"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        "specrl: error: --steps must be in [1, 1000000], got 0"]
+
+
+def test_ctrl_c_is_one_line_and_says_how_to_resume(tmp_path, cache):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    argv = ["train-rl", "--preset", "ci", "--steps", "1000", "--out", str(out), "--cache-dir", str(cache),
+            "--no-progress"]
+    proc = subprocess.Popen([sys.executable, "-m", "specrl", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 300
+    while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines() == [f"specrl: interrupted; continue with: specrl {' '.join(argv)} --resume"]
+
+
+def test_a_run_ends_with_its_headline_table(tmp_path, cache, capsys):
+    out = tmp_path / "draft"
+    assert main(["train-draft", "--preset", "ci", "--out", str(out), "--cache-dir", str(cache)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    end = lines[lines.index("specrl train-draft: done"):]
+    assert len(end) < 10 and any("draft vocabulary" in x for x in end) and any(str(out) in x for x in end)
+
+
+def test_only_the_cli_imports_experiments(tmp_path):
+    """The core package never imports experiments/ (the CLI reaches it through COMMANDS, by
+    name); shown to catch a planted import."""
+    import ast
+    import shutil
+    from pathlib import Path
+
+    def importers(pkg: Path) -> list[str]:
+        bad = []
+        for f in sorted(pkg.rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                         else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+                if any(n == "experiments" or n.startswith("experiments.") for n in names) and f.name != "cli.py":
+                    bad.append(str(f.relative_to(pkg)))
+        return bad
+
+    pkg = Path(__file__).parents[1] / "specrl"
+    assert importers(pkg) == []
+    planted = tmp_path / "specrl"
+    shutil.copytree(pkg, planted, ignore=shutil.ignore_patterns("__pycache__"))
+    (planted / "buffer.py").write_text((planted / "buffer.py").read_text()
+                                       + "\n\ndef _f():\n    from experiments.bench.common import machine_info\n")
+    assert importers(planted) == ["buffer.py"]

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from specrl.controller import (ControllerConfig, SpeculationController, alpha_from_ratio,
-                               expected_accept_length)
+from specrl.config import ControllerConfig
+from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
 
 
 def t_plain(n):

@@ -21,7 +21,8 @@ GLOBAL_BATCH = 8
 
 
 def _draft():
-    from specrl.drafts import DraftTrainConfig, new_draft
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
     from target_training.config import model_config_for
 
     torch.manual_seed(0)
@@ -43,7 +44,7 @@ def _records(step: int, draft) -> list[dict]:
 
 
 def _config(batch_size: int):
-    from specrl.online_trainer import OnlineDraftConfig
+    from specrl.config import OnlineDraftConfig
 
     # warmup_steps: both trainers share the step's lr schedule (DeepSpeed once ignored it)
     return OnlineDraftConfig(lr=3e-3, batch_size=batch_size, ttt_steps=2, max_grad_norm=0.5, warmup_steps=3)

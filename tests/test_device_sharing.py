@@ -10,9 +10,9 @@ from helpers import fill_buffer
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.speculative import SpecConfig
-from specrl.cotrain import CoTrainConfig, SpecCoTrainer
-from specrl.drafts import DraftTrainConfig, new_draft
-from specrl.scheduler import SchedulerConfig
+from specrl.config import CoTrainConfig, DraftTrainConfig, SchedulerConfig
+from specrl.cotrain import SpecCoTrainer
+from specrl.drafts import new_draft
 from target_training.grpo import GRPOConfig, GRPOTrainer
 
 
@@ -22,7 +22,7 @@ def _fill(cot, model, **kw):
 
 def _cotrainer(model, memory_budget_bytes, batch_size=8, windows=("between",)):
     draft = new_draft(model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
-    from specrl.online_trainer import OnlineDraftConfig
+    from specrl.config import OnlineDraftConfig
 
     cfg = CoTrainConfig(mode="online", spec=SpecConfig(gamma=3), min_buffer_records=1, max_draft_steps=1,
                         online=OnlineDraftConfig(batch_size=batch_size),

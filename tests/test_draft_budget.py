@@ -6,7 +6,8 @@ from types import SimpleNamespace
 import pytest
 
 from rollout.protocol import SpecStats
-from specrl.draft_budget import DraftBudget, DraftBudgetConfig
+from specrl.config import DraftBudgetConfig
+from specrl.draft_budget import DraftBudget
 
 CAP = 8
 
@@ -123,9 +124,9 @@ def test_cotrainer_reports_the_alarm_and_the_budget(tiny_model):
     rule's count (zero once acceptance is steady)."""
     from rollout.engine import EmbeddedEngine
     from rollout.speculative import SpecConfig
-    from specrl.cotrain import CoTrainConfig, SpecCoTrainer
-    from specrl.drafts import DraftTrainConfig, new_draft
-    from specrl.scheduler import SchedulerConfig
+    from specrl.config import CoTrainConfig, DraftTrainConfig, SchedulerConfig
+    from specrl.cotrain import SpecCoTrainer
+    from specrl.drafts import new_draft
 
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
     sched = SchedulerConfig(draft_steps=DraftBudgetConfig(rule="acceptance", idle_after=2))

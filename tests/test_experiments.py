@@ -38,6 +38,11 @@ def test_drift_outputs(drift_runs):
     for name in PLOTS:
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, name
+    from specrl.cli import format_end  # what `specrl drift` ends with: the headline figures and the files
+
+    end = format_end("drift", summary, out).splitlines()
+    assert len(end) < 12 and any(line.split()[:2] == ["accept", "length"] for line in end)
+    assert any("speedup_vs_batch.png" in line for line in end)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     preset = get_drift_preset("ci")
     steps = sorted({r["step"] for r in rows})
@@ -97,9 +102,11 @@ def test_drift_refuses_existing_output_and_bad_preset(drift_runs, tmp_path, caps
     with pytest.raises(DriftError, match="already holds a drift run"):
         run_drift("ci", root / "a", progress=False)
     assert main(["drift", "--preset", "huge", "--out", str(tmp_path / "x")]) == 2
-    assert "unknown drift preset" in capsys.readouterr().err
+    assert "--preset: invalid choice: 'huge'" in capsys.readouterr().err
     assert main(["drift", "--preset", "ci", "--reference-every", "-1", "--out", str(tmp_path / "y")]) == 2
-    assert "reference_every" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    assert "--reference-every must be >= 0, got -1" in capsys.readouterr().err and not (tmp_path / "y").exists()
+    with pytest.raises(DriftError, match="reference_every"):  # the API's own check
+        run_drift("ci", tmp_path / "z", reference_every=-1, progress=False)
 
 
 def test_analysis_notebook_executes(drift_runs, tmp_path):
@@ -121,11 +128,15 @@ def test_analysis_notebook_executes(drift_runs, tmp_path):
 
 
 def test_speed_sweep(sft_policy, tmp_path):
-    from experiments.speed import run_speed
+    """`specrl bench speed` with lists of chain lengths and tree budgets: one arm each, plus the
+    adaptive arm over 1..the longest chain."""
+    from experiments.bench.speed import bench_speed
 
-    summary = run_speed(tmp_path, preset="ci", batches=(2,), gammas=(1, 3), tree_budgets=(4,), repeats=1,
-                        prompts_per_batch=1, cache_dir=sft_policy[3], log=lambda *a: None)
-    spec = [r for r in summary["rows"] if r["mode"] != "plain"]
+    summary = bench_speed("arith", "ci", tmp_path, [2], gammas=(1, 3), tree_budgets=(4,), repeats=1,
+                          prompts_per_batch=1, temperature=1.0, cache_dir=sft_policy[3], log=lambda *a: None)
+    assert [r["mode"] for r in summary["rows"]] == ["plain", "chain", "chain", "tree", "adaptive"]
+    assert summary["rows"][-1]["gammas"] == [1, 2, 3]
+    spec = [r for r in summary["rows"] if r["mode"] in ("chain", "tree")]
     assert [(r["mode"], r["gamma"], r["tree_budget"]) for r in spec] == [("chain", 1, None), ("chain", 3, None),
                                                                          ("tree", 4, 4)]
     for r in spec:

@@ -7,8 +7,9 @@ from draft_models.checkpoint import draft_state_dict_for_sglang
 from draft_models.train import collate
 from draft_models.ttt import ttt_loss
 from specrl.buffer import FeatureBuffer
-from specrl.drafts import DraftTrainConfig, new_draft
-from specrl.online_trainer import OnlineDraftConfig, OnlineDraftTrainer
+from specrl.config import DraftTrainConfig, OnlineDraftConfig
+from specrl.drafts import new_draft
+from specrl.online_trainer import OnlineDraftTrainer
 from target_training.config import model_config_for
 
 

@@ -10,10 +10,9 @@ from helpers import fill_buffer
 
 from rollout.engine import EmbeddedEngine
 from rollout.speculative import SpecConfig
-from specrl.cotrain import CoTrainConfig, SpecCoTrainer
-from specrl.drafts import DraftTrainConfig, new_draft
-from specrl.online_trainer import OnlineDraftConfig
-from specrl.scheduler import SchedulerConfig
+from specrl.config import CoTrainConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
+from specrl.cotrain import SpecCoTrainer
+from specrl.drafts import new_draft
 
 
 def _fill(cot, model, **kw):
@@ -112,7 +111,7 @@ def test_bench_overlap_runs_and_saves_json(sft_policy, tmp_path):
     """The benchmark's machinery on the CI preset (one timed step; its timings mean nothing here)."""
     import json
 
-    from specrl.bench_overlap import bench_overlap
+    from experiments.bench.overlap import bench_overlap
 
     cache = sft_policy[3]
     r = bench_overlap("arith", "ci", tmp_path, steps=1, warmup=1, cache_dir=cache, log=lambda *a: None)
@@ -131,7 +130,7 @@ def test_bench_overlap_phases_runs_the_updates_it_times(sft_policy, tmp_path):
 
     import torch
 
-    from specrl.bench_overlap import bench_overlap_phases
+    from experiments.bench.overlap import bench_overlap_phases
 
     threads = torch.get_num_threads()
     r = bench_overlap_phases("arith", "ci", tmp_path, batches=(2,), updates=1, repeats=2,

@@ -1,16 +1,17 @@
 """Step profiling (rollout.profile) and the
-bound's parts measured on the engine's own steps (specrl.bench)."""
+bound's parts measured on the engine's own steps (experiments.bench)."""
 import math
 
 import pytest
 import torch
 
+from experiments.bench.common import profiled_run
+from experiments.bench.speed import engine_step_costs, step_profile
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.profile import PLAIN_PHASES, SPEC_PHASES, StepProfiler, low_quartile, phase_breakdown
 from rollout.protocol import SamplingParams, SpecStats
 from rollout.speculative import SpecConfig, Speculator
-from specrl.bench import engine_step_costs, profiled_run, step_profile
-from specrl.train_rl import encode_prompts
+from specrl.setup import encode_prompts
 
 
 def test_low_quartile_and_breakdown():
@@ -63,7 +64,7 @@ def test_profiled_engine_steps(sft_policy, offline_draft, one_thread, mode):
 
 def test_interleaved_timing_rotates_the_turn_order():
     """Each repeat starts one engine later than the previous one; results keep the engines' order."""
-    from specrl.bench import timed_generate_interleaved
+    from experiments.bench.common import timed_generate_interleaved
     calls = []
 
     class Recorder:
@@ -85,7 +86,7 @@ def test_interleaved_timing_rotates_the_turn_order():
 def test_bound_parts_come_from_the_timed_calls_on_cpu(sft_policy, offline_draft, one_thread):
     """On CPU the profiler rides along the timed repeats: the bound's samples are those repeats'
     full-batch steps, pooled (twice one profiled run's for 2 repeats), and no profiler is left on."""
-    from specrl.bench import measure_batch
+    from experiments.bench.speed import EmbeddedArms, measure_batch
     tokenizer, task, policy, _ = sft_policy
     prompts = encode_prompts(tokenizer, task.examples("heldout", 6, 3))
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
@@ -94,7 +95,7 @@ def test_bound_parts_come_from_the_timed_calls_on_cpu(sft_policy, offline_draft,
     _, spec_prof = profiled_run(EmbeddedEngine(policy, EngineConfig(max_batch=3), speculator=Speculator(offline_draft, cfg)),
                                 prompts, params)
     one_run = engine_step_costs(plain_prof, spec_prof, 3, 3)["cost_samples"]
-    plain_row, chain_row = measure_batch(policy, offline_draft, prompts, params, 3, [cfg], repeats=2)
+    plain_row, chain_row = measure_batch(EmbeddedArms(policy, offline_draft, [cfg]), prompts, params, 3, repeats=2)
     assert chain_row["cost_samples"] == {k: 2 * v for k, v in one_run.items()}
     assert chain_row["identical_to_plain"] and chain_row["c"] > 0
     assert plain_row["profile"]["plain"]["steps"] == 2 * one_run["plain_steps"]
@@ -110,7 +111,7 @@ def test_paired_efficiency_divides_each_repeat_by_its_own_bound():
     medians); the pooled figures are untouched by the per-repeat costs."""
     from types import SimpleNamespace
 
-    from specrl.bench import spec_row
+    from experiments.bench.speed import spec_row
 
     traj = SimpleNamespace(token_ids=[1, 2, 3], spec=SpecStats())
     for _ in range(4):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from specrl.scheduler import WINDOWS, DraftScheduler, SchedulerConfig
+from specrl.config import WINDOWS, SchedulerConfig
+from specrl.scheduler import DraftScheduler
 
 
 class FakeClock:

@@ -199,6 +199,21 @@ def draft_unchanged(server, draft):
 
 
 # ------------------------------------------------------------------ server arguments
+def test_the_client_matches_the_engine_protocols_without_a_server():
+    """build_engine("sglang") makes a client that contacts nobody until used; it is a
+    RolloutEngine and a DraftReceiver, and its push_draft has the protocol's signature."""
+    import inspect
+
+    from rollout.protocol import DraftReceiver, RolloutEngine
+    from specrl.setup import build_engine
+
+    eng = build_engine("sglang", None, None, None, sglang_url="http://127.0.0.1:9")
+    assert isinstance(eng, SGLangEngine) and isinstance(eng, RolloutEngine) and isinstance(eng, DraftReceiver)
+    assert eng.draft_version is None and eng.last_stats == {}
+    ours, theirs = inspect.signature(SGLangEngine.push_draft), inspect.signature(DraftReceiver.push_draft)
+    assert list(ours.parameters) == list(theirs.parameters) and ours.return_annotation == theirs.return_annotation
+
+
 def test_server_args_chain_tree_and_cli():
     chain = sglang_server_args("/m", "/d", SpecConfig(mode="chain", gamma=4))
     assert chain == {"model_path": "/m", "speculative_algorithm": "EAGLE3", "speculative_draft_model_path": "/d",
@@ -420,7 +435,8 @@ def test_draft_push_tensor_keeps_the_policy_untouched(fake, pair):
     target, draft = pair
     server = fake()
     eng = engine_for(server)
-    report = eng.push_draft(trained(draft), 1)  # selector "draft": no target name needed
+    eng.push_draft(trained(draft), 1)  # selector "draft": no target name needed
+    report = eng.last_push
     assert report["held"] == [] and "d2t" not in report["sent"] and "t2d" not in report["sent"]
     assert server.requests[0][1] == {"selector": "draft"} and server.requests[1][1]["selector"] == "draft"
     assert server.requests[1][1]["weight_version"] == "draft-1"
@@ -443,14 +459,16 @@ def test_draft_push_on_a_legacy_server(fake, pair):
         eng.push_draft(trained(draft), 1)
     held = engine_for(server, hold_shared_draft_names=True)
     held.target_param_names = set(target.state_dict())
-    report = held.push_draft(trained(draft), 1)
+    held.push_draft(trained(draft), 1)
+    report = held.last_push
     assert report["held"] == ["norm.weight", "lm_head.weight"]
     assert torch.equal(server.draft["model.fc.weight"], trained(draft)["fc.weight"])
     assert all(torch.equal(server.target[k], v) for k, v in target.state_dict().items())
 
     routed_server = fake(api="legacy", version=None, legacy_flags={"draft_only": "draft"})
     routed = engine_for(routed_server, legacy_draft_flag="draft_only")
-    report = routed.push_draft(trained(draft), 2)
+    routed.push_draft(trained(draft), 2)
+    report = routed.last_push
     assert report["held"] == [] and routed_server.requests[-1][1]["draft_only"] is True
     assert torch.equal(routed_server.draft["lm_head.weight"], trained(draft)["lm_head.weight"])
     assert all(torch.equal(routed_server.target[k], v) for k, v in target.state_dict().items())

@@ -28,7 +28,7 @@ from draft_models.checkpoint import draft_state_dict_for_sglang, save_draft
 from draft_models.config import Eagle3Config
 from draft_models.vocab import build_draft_vocab
 from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-from specrl.online_trainer import OnlineDraftConfig
+from specrl.config import OnlineDraftConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ from draft_models.checkpoint import DraftCheckpointError
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
-from specrl.train_rl import encode_prompts
+from specrl.setup import encode_prompts
 from helpers import chi2_pvalue
 
 SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4), "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=10)}
@@ -182,7 +182,8 @@ def test_speculation_flag_off_is_plain(sft_policy, offline_draft):
 def test_tree_explores_siblings(tiny_model):
     """With a weak (random) draft, a tree that verifies several children per node accepts far
     more than a chain that only tries the draft's top-1, and stays identical to plain greedy."""
-    from specrl.drafts import DraftTrainConfig, new_draft
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
 
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 64, (int(n),), generator=g).tolist() for n in torch.randint(2, 10, (24,), generator=g)]
@@ -363,25 +364,25 @@ def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, m
     depth and top-k. In rng mode (rejection sampling) a tree reads one more value: the width of
     its verify block, which grows by the pruned siblings that must stay in the recursion. A new
     read fails here."""
-    from rollout.speculative import SpecSession
-    from specrl.drafts import DraftTrainConfig, new_draft
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
     from target_training.model import MoE
 
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
     draft = new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
     n_moe = sum(isinstance(layer.mlp, MoE) for layer in tiny_model.layers)
-    counts, step = [], SpecSession.step
+    counts, step = [], EmbeddedEngine._spec_step
 
-    def counted(self, engine, cache, active, states, params, capture, prefill=None):
+    def counted(self, run, active, states, prefill=None):
         reads = _DeviceReads()
         with reads.mode:
-            out = step(self, engine, cache, active, states, params, capture, prefill)
+            out = step(self, run, active, states, prefill)
         if prefill is None:
             counts.append(reads.n)
         return out
 
-    monkeypatch.setattr(SpecSession, "step", counted)
+    monkeypatch.setattr(EmbeddedEngine, "_spec_step", counted)
     monkeypatch.setattr(MoE, "DENSE_DISPATCH_MAX_TOKENS", 10**6)
     engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch, sampling_mode=sampling_mode),
                             speculator=Speculator(draft, SpecConfig(mode, gamma)))
@@ -401,8 +402,8 @@ def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_m
     n_moe + 2, the prompts' first tokens being the second hand-back; a prefill on its own
     n_moe + 1. Planning an admission (`_plan_prefill`, `_can_fuse`) reads nothing: prompt and
     cache lengths are known on the host."""
-    from rollout.speculative import SpecSession
-    from specrl.drafts import DraftTrainConfig, new_draft
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
     from target_training.model import MoE
 
     g = torch.Generator().manual_seed(4)
@@ -423,9 +424,9 @@ def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_m
         sig = inspect.signature(fn)
         return lambda *a, **k: "fused" if sig.bind(*a, **k).arguments.get("prefill") is not None else "alone"
 
-    plain_kind, spec_kind = fused(EmbeddedEngine._decode_step), fused(SpecSession.step)
+    plain_kind, spec_kind = fused(EmbeddedEngine._decode_step), fused(EmbeddedEngine._spec_step)
     counting((EmbeddedEngine, "_decode_step"), EmbeddedEngine._decode_step, lambda *a, **k: "plain " + plain_kind(*a, **k))
-    counting((SpecSession, "step"), SpecSession.step, lambda *a, **k: "spec " + spec_kind(*a, **k))
+    counting((EmbeddedEngine, "_spec_step"), EmbeddedEngine._spec_step, lambda *a, **k: "spec " + spec_kind(*a, **k))
     counting((EmbeddedEngine, "_run_prefill"), EmbeddedEngine._run_prefill, lambda *a, **k: "prefill alone")
     counting((EmbeddedEngine, "_plan_prefill"), EmbeddedEngine._plan_prefill, lambda *a, **k: "plan")
     counting((EmbeddedEngine, "_can_fuse"), EmbeddedEngine._can_fuse, lambda *a, **k: "plan")
@@ -470,7 +471,8 @@ def test_every_cache_block_gets_its_exact_key_length_from_the_host(sft_policy, o
 
 # ---- the context end: pending features of slots at very different depths (issue 14) -------------
 def _context_end_setup(tiny_model, lengths, seed=1):
-    from specrl.drafts import DraftTrainConfig, new_draft
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
 
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in lengths]

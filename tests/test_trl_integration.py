@@ -7,9 +7,7 @@ import pytest
 import torch
 
 from rollout.speculative import SpecConfig
-from specrl.cotrain import CoTrainConfig
-from specrl.online_trainer import OnlineDraftConfig
-from specrl.scheduler import SchedulerConfig
+from specrl.config import CoTrainConfig, OnlineDraftConfig, SchedulerConfig
 from helpers import tiny_hf_model, tiny_hf_tokenizer
 
 trl = pytest.importorskip("trl")

@@ -262,7 +262,8 @@ def test_draft_push_goes_to_the_draft_only(sgl, monkeypatch):
             "midlayer.self_attn.q_proj.weight": torch.randn(Q, 2 * H, generator=g),
             "norm.weight": torch.randn(H, generator=g), "lm_head.weight": torch.randn(VD, H, generator=g),
             "d2t": torch.zeros(VD, dtype=torch.long)}
-    report = eng.push_draft(push, 4)
+    eng.push_draft(push, 4)
+    report = eng.last_push
     assert report["held"] == [] and "d2t" not in report["sent"]
     assert transport.bodies[1][1].selector == "draft" and transport.bodies[0][1].selector == "draft"
     assert torch.equal(draft.params["model.fc.weight"], push["fc.weight"])

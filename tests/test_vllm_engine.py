@@ -32,9 +32,10 @@ N_SAMPLES = 1000  # seeded requests in the sampled-law test (and in its power si
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     """(tokenizer, task, SFT policy on the quick model, offline draft for it)."""
-    from specrl.drafts import DraftTrainConfig, cached_offline_draft
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import cached_offline_draft
     from specrl.presets import get_preset
-    from specrl.train_rl import build_task_and_policy, encode_prompts
+    from specrl.setup import build_task_and_policy, encode_prompts
 
     from target_training.sft import default_cache_dir
 
@@ -63,7 +64,7 @@ def spec(setup):
 
 
 def _prompts(setup, n, seed=11):
-    from specrl.train_rl import encode_prompts
+    from specrl.setup import encode_prompts
 
     tokenizer, task = setup[0], setup[1]
     return encode_prompts(tokenizer, task.examples("heldout", n, seed))
@@ -279,10 +280,10 @@ def test_vllm_speed_rows_check_identity_and_measure_step_costs(setup, plain, spe
     """`specrl bench speed --engine vllm`'s measurement on the module's engines: greedy tokens
     equal across vLLM plain, vLLM EAGLE-3 and the embedded engine; the bound's parts come from
     vLLM's own full-batch steps. (Timings are the benchmark's business, not asserted.)"""
-    from specrl.bench_vllm import measure_vllm_batch
+    from experiments.bench.speed import VLLMArms, measure_batch
 
     arms = {"vllm-plain": plain, "vllm-eagle3": spec, "embedded-plain": EmbeddedEngine(setup[2], EngineConfig(max_batch=16))}
-    rows = measure_vllm_batch(arms, _prompts(setup, 8, seed=4), _greedy(setup), batch=4, gamma=GAMMA, repeats=1)
+    rows = measure_batch(VLLMArms(arms, GAMMA), _prompts(setup, 8, seed=4), _greedy(setup), batch=4, repeats=1)
     by_arm = {r["arm"]: r for r in rows}
     assert set(by_arm) == set(arms)
     row = by_arm["vllm-eagle3"]

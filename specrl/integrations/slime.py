@@ -54,9 +54,8 @@ import torch
 from draft_models.checkpoint import load_draft
 from rollout.draft_fanout import DraftFanout
 from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig
-from specrl.cotrain import CoTrainConfig, SpecCoTrainer
-from specrl.online_trainer import OnlineDraftConfig
-from specrl.scheduler import SchedulerConfig
+from specrl.config import CoTrainConfig, OnlineDraftConfig, SchedulerConfig
+from specrl.cotrain import SpecCoTrainer
 
 # The rollout side and the capture have modules of their own; their names are re-exported here,
 # the module slime's command-line paths name.

@@ -38,7 +38,8 @@ from draft_models.checkpoint import load_draft
 from draft_models.config import Eagle3Config
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from specrl.cotrain import CoTrainConfig, SpecCoTrainer
+from specrl.config import CoTrainConfig
+from specrl.cotrain import SpecCoTrainer
 from target_training.hf_adapter import load_hf_target, to_specrl_state_dict
 
 

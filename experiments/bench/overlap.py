@@ -1,4 +1,4 @@
-"""What online draft training adds to the RL step, sequential versus overlapped (prints and saves JSON).
+"""`specrl bench overlap`: what online draft training adds to the RL step, sequential versus overlapped (prints and saves JSON).
 
 The co-training is the drift runs' with a fixed count (presets.DRIFT_COTRAIN_FIXED: one update of
 12 sequences per RL step, features from the trainer's forward) on the chosen preset's model, task and RL sizes.
@@ -43,12 +43,12 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench.common import machine_info, turn_order
 from rollout.engine import EmbeddedEngine, EngineConfig
-from specrl.bench import machine_info, turn_order
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
 from specrl.presets import DRIFT_COTRAIN_FIXED, RunPreset, get_preset
-from specrl.train_rl import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
+from specrl.setup import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
 from target_training.grpo import GRPOTrainer
 
 MODES = ("none", "sequential", "overlap", "overlap_rollout")
@@ -148,9 +148,6 @@ def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, 
         "machine": machine_info(),
     }
     (out / "bench_overlap.json").write_text(json.dumps(result, indent=1))
-    log(json.dumps({k: result[k] for k in ("step_s_mean", "added_fraction", "added_fraction_median",
-                                           "overlap_rollout_same_updates", "sequential_draft_train_s_mean",
-                                           "overlap_hidden_s_mean", "overlap_wait_s_mean")}, indent=1))
     return result
 
 
@@ -236,3 +233,19 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
               "machine": machine_info()}
     (out / "bench_overlap_phases.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def headline(result: dict) -> list[tuple[str, str]]:
+    """The figures an overlap run ends with: each co-training mode's added step time."""
+    if result.get("benchmark") == "overlap_phases":
+        return [(f"batch {r['batch']}, {r['main_threads']} thread(s)",
+                 f"added sequential {r['added_sequential']:+.3f}, overlap {r['added_overlap']:+.3f}")
+                for r in result["rows"]]
+    rows = [(f"added step time, {m}", f"{result['added_fraction'][m]:+.3f} (median {result['added_fraction_median'][m]:+.3f})")
+            for m in result["added_fraction"]]
+    rows.append(("draft training in line", f"{result['sequential_draft_train_s_mean']:.3f}s per RL step"))
+    rows += [(f"burst under RL work, {m}", f"{result['overlap_hidden_s_mean'][m]:.3f}s hidden, "
+                                          f"{result['overlap_wait_s_mean'][m]:.3f}s waited per RL step")
+             for m in result["overlap_hidden_s_mean"]]
+    rows.append(("same policy updates with one rollout thread", str(result["overlap_rollout_same_updates"])))
+    return rows

@@ -1,0 +1,166 @@
+"""The harness every benchmark shares: timing arms in turns, the step profiler around one call,
+the setup of a speed measurement, and saving a summary with the machine it ran on.
+
+Every figure of one summary is measured in the same process, one after another on the same
+prompts, so ratios between its rows are meaningful on a noisy machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from specrl.presets import get_preset
+from specrl.setup import build_task_and_policy, encode_prompts, rollout_params
+from target_training.sft import default_cache_dir
+
+
+def machine_info() -> dict:
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def turn_order(names, k: int) -> list:
+    """The arms' order in round k of a timing that takes turns: rotated by k, so no arm always
+    runs first or right after the same other one."""
+    names = list(names)
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def timed_generate(engine, prompts, params, repeats: int = 2) -> dict:
+    """Best-of-repeats tokens/s after one warm-up call (same prompts each time)."""
+    return timed_generate_interleaved({"engine": engine}, prompts, params, repeats)["engine"]
+
+
+def repeat_ratios(timed_a: dict, timed_b: dict) -> list[float]:
+    """Arm a's tokens/s over arm b's in each timed repeat, in repeat order (two results of
+    `timed_generate_interleaved`): the two calls of a repeat ran seconds apart, so a slow spell
+    of the machine hits both, and the median of these is the least noisy comparison."""
+    return [a / b for a, b in zip(timed_a["tokens_per_s_repeats"], timed_b["tokens_per_s_repeats"])]
+
+
+def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2, profile=()) -> dict[str, dict]:
+    """`timed_generate` for several engines, taking turns within each repeat, so a slow spell of
+    a noisy machine hits every engine alike instead of whichever ran during it. The turn order
+    rotates by one engine per repeat, so no engine always runs right after the same other one
+    (a call can leave the allocator or caches in a state that slows the next). An engine with a
+    `ready()` method (an arm that shares a live engine with others and swaps its draft in) is
+    readied before each of its calls, outside the clock. The engines named in `profile` carry
+    one StepProfiler through all their timed calls (not the warm-up), returned as "profiler"."""
+    from rollout.profile import StepProfiler
+
+    for engine in engines.values():
+        getattr(engine, "ready", lambda: None)()
+        engine.generate(prompts[: min(len(prompts), 2)], params)
+    profilers = {name: StepProfiler(engines[name].device) for name in profile}
+    best: dict[str, dict] = {}
+    names = list(engines)
+    per_repeat: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        for name in turn_order(names, rep):
+            engine = engines[name]
+            getattr(engine, "ready", lambda: None)()
+            if name in profilers:
+                engine.profiler = profilers[name]
+                profilers[name].call = rep  # the step records say which repeat they came from
+            try:
+                t0 = time.perf_counter()
+                trajs = engine.generate(prompts, params)
+                wall = time.perf_counter() - t0
+            finally:
+                if name in profilers:
+                    engine.profiler = None
+            n = sum(len(t.token_ids) for t in trajs)
+            per_repeat[name].append(n / wall)
+            if name not in best or n / wall > best[name]["tokens_per_s"]:
+                # engine steps: deterministic for a given engine, prompts and draft (None where unknown)
+                steps = (getattr(engine, "last_stats", None) or {}).get("engine_steps")
+                best[name] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs,
+                              "engine_steps": steps}
+    # tokens/s of every repeat, in repeat order: ratios between engines per repeat are their
+    # least noisy comparison (both ran within seconds of each other)
+    return {name: {**best[name], "tokens_per_s_repeats": per_repeat[name],
+                   **({"profiler": profilers[name]} if name in profilers else {})} for name in names}
+
+
+def profiled_run(engine, prompts, params):
+    """One generate() with a StepProfiler attached; returns (trajectories, profiler)."""
+    from rollout.profile import StepProfiler
+
+    engine.profiler = StepProfiler(engine.device)
+    try:
+        trajs = engine.generate(prompts, params)
+    finally:
+        prof, engine.profiler = engine.profiler, None
+    return trajs, prof
+
+
+def preset_chain_length(preset_name: str, gamma: int | None = None) -> int:
+    """`gamma` where given, else the preset's chain length (`RunPreset.cotrain.spec`)."""
+    return gamma or get_preset(preset_name).cotrain.spec.gamma
+
+
+def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperature: float):
+    """The policy, its cached offline draft, sampling params and a prompt maker for speed runs."""
+    from rollout.protocol import SamplingParams
+    from specrl.drafts import cached_offline_draft
+
+    SamplingParams(temperature=temperature)  # a bad --temperature fails before the expensive setup
+    preset = get_preset(preset_name)
+    cache_dir = cache_dir or default_cache_dir()
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir)
+    draft_prompts = encode_prompts(tokenizer, task.examples("train", 1024, seed + 7))
+    draft_cfg = dataclasses.replace(preset.draft, max_new_tokens=preset.max_new_tokens)  # the preset's recipe
+    draft, _ = cached_offline_draft(policy, draft_prompts, draft_cfg, (tokenizer.eos_id,), cache_dir)
+    # replace() re-runs SamplingParams validation, so a bad --temperature is refused
+    params = dataclasses.replace(rollout_params(preset, tokenizer, seed), temperature=temperature)
+
+    def prompts_for(n: int):
+        return encode_prompts(tokenizer, task.examples("heldout", n, seed))
+
+    return policy, draft, params, prompts_for
+
+
+def model_summary(policy, draft) -> dict:
+    return {"target_parameters": policy.num_parameters(), "target_layers": policy.cfg.num_layers,
+            "draft_parameters": draft.num_parameters()}
+
+
+def significant(v: float, digits: int = 6) -> float:
+    """v to `digits` significant digits: a row's step times are a few milliseconds in seconds,
+    which a fixed number of decimals would round to a tenth of a millisecond (several percent
+    of a draft step) and leave the saved costs unable to reproduce the saved bound."""
+    return float(f"{v:.{digits}g}")
+
+
+def save_summary(out_dir, summary: dict) -> dict:
+    """`summary` with its rows' floats to 6 significant digits and the machine, as DIR/summary.json."""
+    summary["rows"] = [{k: (significant(v) if isinstance(v, float) else v) for k, v in r.items()}
+                       for r in summary["rows"]]
+    summary["machine"] = machine_info()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+class Grouped:
+    """An engine whose generate() runs the prompts in consecutive groups of `batch`, so that no
+    step decodes more than `batch` sequences whatever the engine's own limit (a live vLLM
+    engine's limit is fixed when it starts)."""
+
+    def __init__(self, engine, batch: int):
+        self.engine, self.batch = engine, batch
+
+    def generate(self, prompts, params):
+        out = []
+        for i in range(0, len(prompts), self.batch):
+            group = prompts[i:i + self.batch]
+            out += self.engine.generate(group, params, request_ids=range(i, i + len(group)))
+        return out

@@ -1,0 +1,316 @@
+"""Every knob of speculative co-training, in one place.
+
+`CoTrainConfig` is what `SpecCoTrainer` takes; it holds the online trainer's settings
+(`OnlineDraftConfig`), the scheduler's (`SchedulerConfig`, with the per-step update count of
+`DraftBudgetConfig`) and the adaptive controller's (`ControllerConfig`). `DraftTrainConfig` sets
+the offline starting draft. Each field is documented where it is declared; modes are `Literal`
+types, checked when the config is built (a bad value fails with one line naming the field).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from rollout.speculative import SpecConfig
+from target_training.config import require_positive
+
+Mode = Literal["off", "frozen", "online"]
+FeatureSource = Literal["trainer", "engine", "both"]
+Window = Literal["tail", "between", "interleaved"]
+SchedulerMode = Literal["sequential", "overlap"]
+OverlapUntil = Literal["step", "rollout"]
+BudgetRule = Literal["fixed", "acceptance"]
+
+WINDOWS: tuple[str, ...] = get_args(Window)
+
+
+def _check_choice(cfg, name: str, kind) -> None:
+    value, choices = getattr(cfg, name), get_args(kind)
+    if value not in choices:
+        raise ValueError(f"{type(cfg).__name__}.{name} must be one of {choices}, got {value!r}")
+
+
+# ---------------------------------------------------------------------- the offline starting draft
+@dataclass
+class DraftTrainConfig:
+    """The offline EAGLE-3 draft trained on the SFT policy's own rollouts (specrl.drafts)."""
+
+    n_sequences: int = 1024
+    """Rollouts sampled from the policy as training data."""
+    steps: int = 300
+    """AdamW steps of offline training."""
+    lr: float = 3e-3
+    """Peak learning rate (after a 20-step linear warm-up)."""
+    batch_size: int = 32
+    """Sequences per step."""
+    draft_vocab_size: int = 48
+    """Tokens of the draft's vocabulary (the most frequent in the rollouts, plus the special ones)."""
+    ttt_steps: int = 4
+    """Training-time-test steps: draft positions unrolled per sequence in the loss."""
+    temperature: float = 1.0
+    """Sampling temperature of the training rollouts."""
+    max_new_tokens: int = 64
+    """Length cap of the training rollouts."""
+    seed: int = 0
+    """Seeds the rollouts, the draft's initialisation and the batch order."""
+
+    def __post_init__(self) -> None:
+        require_positive(self, ("n_sequences", "steps", "batch_size", "draft_vocab_size", "ttt_steps",
+                                "max_new_tokens", "lr"))
+
+
+# ---------------------------------------------------------------------- the online trainer
+@dataclass
+class OnlineDraftConfig:
+    """The online draft trainer (specrl.online_trainer): AdamW on TTT loss over buffer records."""
+
+    lr: float = 1e-3
+    """AdamW learning rate."""
+    batch_size: int = 16
+    """Buffer records per update (the memory budget may shrink it)."""
+    ttt_steps: int | None = None
+    """Training-time-test steps; None: the draft config's ttt_steps."""
+    acceptance_weight: float = 0.0
+    """> 0 adds ttt_loss's expected-acceptance term."""
+    max_grad_norm: float = 1.0
+    """Gradient-norm clipping."""
+    prefer_rejected: float = 0.5
+    """Share of each batch drawn from records with rejected draft tokens (FeatureBuffer.sample)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up over the first updates: a fresh AdamW's first steps are
+    sign-like (size ~lr on every weight) and would knock a well-trained starting draft off its
+    optimum."""
+    snapshot_every: int = 8
+    """Updates between copies of the last finite weights (what a rollback restores)."""
+
+    MAX_BATCH_SIZE = 1 << 16  # records per update; more would not fit any device (checked before collate)
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str):
+            raise ValueError(f"OnlineDraftConfig.{name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("lr", "max_grad_norm"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (v > 0 and math.isfinite(v)):
+                bad(name, "must be a positive finite number")
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size <= 0:
+            bad("batch_size", "must be a positive integer")
+        if self.batch_size > self.MAX_BATCH_SIZE:
+            bad("batch_size", f"must be at most {self.MAX_BATCH_SIZE}")
+        if isinstance(self.snapshot_every, bool) or not isinstance(self.snapshot_every, int) or self.snapshot_every <= 0:
+            bad("snapshot_every", "must be a positive integer")
+        if self.ttt_steps is not None and (isinstance(self.ttt_steps, bool) or not isinstance(self.ttt_steps, int)
+                                           or self.ttt_steps <= 0):
+            bad("ttt_steps", "must be None or a positive integer")
+        for name in ("acceptance_weight", "weight_decay"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                bad(name, "must be a non-negative finite number")
+        if not isinstance(self.prefer_rejected, (int, float)) or not 0.0 <= self.prefer_rejected <= 1.0:
+            bad("prefer_rejected", "must lie in [0, 1]")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            bad("warmup_steps", "must be a non-negative integer")
+
+
+# ---------------------------------------------------------------------- updates per RL step
+@dataclass
+class DraftBudgetConfig:
+    """How many draft updates an RL step gets, and the collapse alarm (specrl.draft_budget, whose
+    docstring states the rule)."""
+
+    rule: BudgetRule = "fixed"
+    """"fixed": the cap (CoTrainConfig.max_draft_steps) every step; "acceptance": more updates
+    when acceptance falls below its best or the policy moves."""
+    min_steps: int = 0
+    """Floor, used when steady."""
+    base_steps: int = 1
+    """Updates per step while acceptance holds but is not yet steady."""
+    falling_steps: int = 1
+    """Extra updates when the newest rollout is below the trend."""
+    deficit_gain: float = 40.0
+    """Extra updates per unit of relative accept-length deficit."""
+    kl_gain: float = 0.0
+    """Extra updates per unit of reported policy KL (0: ignore KL)."""
+    kl_steady: float = 0.05
+    """A KL below this counts as a policy at rest."""
+    tolerance: float = 0.02
+    """Relative deficit treated as noise."""
+    ema: float = 0.5
+    """Weight of the newest accept length in its EMA."""
+    best_forget: float = 0.05
+    """Per step, the running best moves this fraction of the way to the EMA."""
+    idle_after: int = 3
+    """Steady steps in a row before dropping to min_steps."""
+    collapse_accept_length: float = 1.05
+    """An accept length at or below this with speculation on counts as a collapse."""
+    collapse_patience: int = 2
+    """Collapsed rollouts in a row before the alarm."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "rule", BudgetRule)
+        for name in ("min_steps", "base_steps", "falling_steps", "idle_after"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"DraftBudgetConfig.{name} must be a non-negative integer, got {v!r}")
+        for name in ("deficit_gain", "kl_gain", "kl_steady", "tolerance", "best_forget"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
+                raise ValueError(f"DraftBudgetConfig.{name} must be a non-negative finite number, got {v!r}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"DraftBudgetConfig.ema must be in (0, 1], got {self.ema}")
+        if not 0.0 <= self.best_forget <= 1.0:
+            raise ValueError(f"DraftBudgetConfig.best_forget must be in [0, 1], got {self.best_forget}")
+        if self.collapse_accept_length < 1.0:
+            raise ValueError(f"DraftBudgetConfig.collapse_accept_length must be >= 1, got {self.collapse_accept_length}")
+        if self.collapse_patience < 1:
+            raise ValueError(f"DraftBudgetConfig.collapse_patience must be >= 1, got {self.collapse_patience}")
+
+
+# ---------------------------------------------------------------------- when the draft trains
+@dataclass
+class SchedulerConfig:
+    """When and how long the draft trains on the shared device (specrl.scheduler, whose docstring
+    describes the windows and the overlap mode)."""
+
+    budget_fraction: float = 0.05
+    """Draft time per RL step, as a fraction of the RL step's own time."""
+    min_budget_s: float = 0.0
+    """Lower clamp of the per-step time budget (seconds)."""
+    max_budget_s: float | None = None
+    """Upper clamp of the per-step time budget (seconds); None: none."""
+    tail_threshold: float = 0.25
+    """"tail" window: opens once n_active / n_slots is at most this."""
+    memory_budget_bytes: int | None = 2**28
+    """Bound on the draft side's resident bytes (weights, gradients, optimizer, buffer, one
+    update's activations); None: no limit."""
+    windows: tuple[Window, ...] = ("tail", "between")
+    """The enabled windows, a subset of WINDOWS."""
+    ema: float = 0.3
+    """Weight of the newest RL step in the step-time EMA."""
+    draft_steps: DraftBudgetConfig = field(default_factory=DraftBudgetConfig)
+    """How many updates a step may run (the cap is CoTrainConfig.max_draft_steps)."""
+    mode: SchedulerMode = "sequential"
+    """"sequential": the windows, on the RL loop's thread; "overlap": one burst per RL step runs
+    on its own thread / CUDA stream while the next step runs, swapped in at the step boundary
+    (specrl.overlap)."""
+    overlap_threads: int = 1
+    """Overlap: intra-op threads of the burst's thread (CPU)."""
+    overlap_until: OverlapUntil = "step"
+    """Overlap: how long a burst may run. "step": until the next step boundary (under the rollout
+    and the policy update); "rollout": it is collected when the rollout ends
+    (SpecCoTrainer.on_rollout), so the policy update, which keeps every core busy, runs alone."""
+    rollout_threads: int | None = None
+    """Overlap: the RL loop's own intra-op threads while a burst runs (None: unchanged). On a CPU,
+    1 leaves a core to the burst: small-batch decoding gains little from a second thread
+    (specrl bench overlap --phases)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.windows, str):
+            raise ValueError(f"SchedulerConfig.windows must be a tuple of names, got the string {self.windows!r}")
+        self.windows = tuple(self.windows)
+        bad = [w for w in self.windows if w not in WINDOWS]
+        checks = [
+            (0.0 <= self.budget_fraction <= 1.0, f"budget_fraction must be in [0, 1], got {self.budget_fraction}"),
+            (self.min_budget_s >= 0.0, f"min_budget_s must be >= 0, got {self.min_budget_s}"),
+            (self.max_budget_s is None or self.max_budget_s >= self.min_budget_s,
+             f"max_budget_s must be None or >= min_budget_s, got {self.max_budget_s} < {self.min_budget_s}"),
+            (0.0 < self.tail_threshold <= 1.0, f"tail_threshold must be in (0, 1], got {self.tail_threshold}"),
+            (self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
+             f"memory_budget_bytes must be None or positive, got {self.memory_budget_bytes}"),
+            (not bad, f"windows must be among {WINDOWS}, got {bad}"),
+            (0.0 < self.ema <= 1.0, f"ema must be in (0, 1], got {self.ema}"),
+            (isinstance(self.overlap_threads, int) and self.overlap_threads > 0,
+             f"overlap_threads must be a positive integer, got {self.overlap_threads!r}"),
+            (self.rollout_threads is None or (isinstance(self.rollout_threads, int)
+                                              and not isinstance(self.rollout_threads, bool) and self.rollout_threads > 0),
+             f"rollout_threads must be None or a positive integer, got {self.rollout_threads!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(f"SchedulerConfig.{msg}")
+        _check_choice(self, "mode", SchedulerMode)
+        _check_choice(self, "overlap_until", OverlapUntil)
+
+
+# ---------------------------------------------------------------------- adaptive speculation
+@dataclass
+class ControllerConfig:
+    """The adaptive speculation controller (specrl.controller): speculate or not, and how far,
+    per batch size, from measured step times."""
+
+    gammas: tuple = (1, 2, 3, 4, 6)
+    """Candidate chain lengths (tree budgets in tree mode)."""
+    margin: float = 1.05
+    """Speculate only if its estimated throughput is at least margin times plain decoding's."""
+    ema: float = 0.2
+    """EMA weight of a new measurement (a running mean until 1/ema samples)."""
+    explore_every: int = 50
+    """Re-measure one non-chosen arm every this many decisions (0: never)."""
+    min_samples: int = 3
+    """Samples per arm before exploiting."""
+    batch_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)
+    """Batch-size buckets (n_active rounded up), each with its own estimates."""
+    alpha_tokens: int = 16
+    """Drafted tokens one observation needs to move alpha by a full `ema`."""
+
+    def __post_init__(self) -> None:
+        self.gammas = tuple(int(g) for g in self.gammas)
+        self.batch_buckets = tuple(int(b) for b in self.batch_buckets)
+        if not self.gammas or min(self.gammas) < 1 or len(set(self.gammas)) != len(self.gammas):
+            raise ValueError(f"ControllerConfig.gammas must be distinct positive ints, got {self.gammas}")
+        if not self.margin >= 1.0:
+            raise ValueError(f"ControllerConfig.margin must be >= 1.0, got {self.margin}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"ControllerConfig.ema must be in (0, 1], got {self.ema}")
+        for name, low in (("explore_every", 0), ("min_samples", 1), ("alpha_tokens", 1)):
+            if getattr(self, name) < low:
+                raise ValueError(f"ControllerConfig.{name} must be >= {low}, got {getattr(self, name)}")
+        b = self.batch_buckets
+        if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"ControllerConfig.batch_buckets must be increasing positive ints, got {b}")
+
+
+# ---------------------------------------------------------------------- the plug-in
+@dataclass
+class CoTrainConfig:
+    """The co-training plug-in (specrl.cotrain.SpecCoTrainer)."""
+
+    mode: Mode = "online"
+    """"off": attach nothing (the host loop runs as without specrl); "frozen": speculate with the
+    starting draft; "online": also train it."""
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    """Speculation in the engine: chain or tree, and how many draft tokens."""
+    adaptive: bool = False
+    """Let a SpeculationController pick plain decoding or a gamma per batch size."""
+    controller: ControllerConfig = field(default_factory=ControllerConfig)
+    """The controller's settings (with `adaptive`)."""
+    feature_source: FeatureSource = "trainer"
+    """Where the buffer's target features come from: the trainer's log-prob forward, an engine
+    that captures them, or both."""
+    buffer_bytes: int = 64 << 20
+    """Size of the feature buffer."""
+    online: OnlineDraftConfig = field(default_factory=OnlineDraftConfig)
+    """The online trainer's settings."""
+    recent_versions: int = 0
+    """Train on features of the last N policy versions only (0: all)."""
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """When and how long the draft trains."""
+    max_draft_steps: int = 64
+    """Cap on draft updates per RL step, across windows."""
+    min_buffer_records: int = 16
+    """Records the buffer must hold before the draft trains."""
+    seed: int = 0
+    """Seeds the buffer's sampling."""
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "mode", Mode)
+        _check_choice(self, "feature_source", FeatureSource)
+        for name in ("buffer_bytes", "min_buffer_records"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"CoTrainConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_draft_steps", "recent_versions"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"CoTrainConfig.{name} must be >= 0, got {getattr(self, name)}")
