@@ -73,7 +73,7 @@ from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
 from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset
-from specrl.setup import encode_prompts, rollout_params
+from specrl.rl_setup import encode_prompts, rollout_params
 from specrl.train_rl import RLCallback, RLRun, train_rl
 from target_training.config import require_positive
 from target_training.grpo import pack_batch
@@ -95,7 +95,7 @@ class DriftPreset:
     rl: RunPreset  # the GRPO run (model, SFT, task and its drift-inducing reward, steps)
     eval_every: int = 10  # RL steps between evaluation points (plus step 0 and the end)
     eval_prompts: int = 32
-    eval_batch: int = 8  # speculation pays best at small to moderate batch on an MoE target (DESIGN 4)
+    eval_batch: int = 8  # speculation pays best at small to moderate batch on an MoE target (docs/design.md section 4)
     timing_repeats: int = 2
     # the end point's repeats (0: timing_repeats): the end-of-run speed-ups are the run's headline
     # ratios, so they get more turns to find each arm's uninterrupted speed on a noisy machine
@@ -219,7 +219,7 @@ class SwappedDraft(Grouped):
         self.weights = {k: v.detach().clone() for k, v in draft.state_dict().items()}
 
     def ready(self) -> None:
-        self.engine.push_draft(self.weights, self.engine.version)
+        self.engine.push_draft(self.weights, self.engine.draft_version)
 
 
 class VLLMDecoding:

@@ -159,7 +159,7 @@ def plot_speedup_vs_batch(speed_rows, path: Path, bound_rows=None, deep_rows=(),
                      label=f"{rows[0]['target_layers']}-layer target, {mode}", **DEEP_STYLE.get(mode, dict(marker="o")))
     if bound_rows:
         pts = sorted((r["batch"], r["bound"]) for r in bound_rows)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.3", ls="--", label="bound (DESIGN 4)")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], color="0.3", ls="--", label="bound")
     ax.axhline(1.0, color="0.5", lw=0.8, ls=":")
     batch_axis(ax, [r["batch"] for r in [*speed_rows, *deep_rows]])
     ax.set_ylabel("speed-up over plain decoding")

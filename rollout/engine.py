@@ -182,6 +182,9 @@ class EmbeddedEngine:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
         self.model.load_state_dict(state_dict, strict=True)
 
+    def runs_in_place(self, module) -> bool:
+        return module is self.model
+
     def shutdown(self) -> None:
         """Nothing to release: the engine runs in the caller's process, on its modules."""
 

@@ -1,6 +1,6 @@
 """Where an engine step's time goes: per-phase wall time of the steps the engine really runs.
 
-Why here and not in a benchmark harness: the parts of the speed-up bound (DESIGN section 4:
+Why here and not in a benchmark harness: the parts of the speed-up bound (docs/design.md section 4:
 one target step, one verify forward, one draft step) depend on the tokens fed. A verify block
 of real drafts wakes more experts than a block of one repeated token, and a real step's
 bookkeeping is what the loop wastes. So the engine itself marks the phase boundaries of each

@@ -142,6 +142,10 @@ class RolloutEngine(Protocol):
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync after a trainer step. Never touches draft weights."""
 
+    def runs_in_place(self, module) -> bool:
+        """Whether the engine decodes with this very module, so a trainer's update of it needs
+        no `load_policy_weights` (the embedded engine sharing the trainer's policy)."""
+
     def shutdown(self) -> None:
         """Release what the engine started (worker processes, device memory); a no-op for an
         engine that started nothing."""

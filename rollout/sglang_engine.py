@@ -170,6 +170,9 @@ class SGLangEngine:
         self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
         return trajs
 
+    def runs_in_place(self, module) -> bool:
+        return False  # the engine holds its own copy of the policy: every update is synced
+
     def shutdown(self) -> None:
         """Stop an engine started in process (`launch`); a server reached over HTTP is left running."""
         if self.in_process:

@@ -288,6 +288,9 @@ class VLLMEngine:
         if self.draft is not None:
             self.sampler_mend = self._llm.collective_rpc(_mend_cpu_expand_in_worker)[0]
 
+    def runs_in_place(self, module) -> bool:
+        return False  # the engine holds its own copy of the policy: every update is synced
+
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown()

@@ -3,7 +3,7 @@ the worker.
 
 Why inside the worker: vLLM's engine core (and on CPU its one worker) runs in another process,
 and its metrics count tokens, not seconds per phase. The speculative speed-up is bounded by
-accept_length / (verify_cost + gamma * c) (DESIGN section 4), whose parts are the wall time of
+accept_length / (verify_cost + gamma * c) (docs/design.md section 4), whose parts are the wall time of
 a plain decode forward, of a verify forward and of one draft step; these timers measure exactly
 those on vLLM's own steps, by wrapping two methods of the worker's model runner for the length
 of a measurement (`GPUModelRunner._model_forward`, which the CPU runner inherits, and

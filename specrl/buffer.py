@@ -1,7 +1,7 @@
 """A bounded feature buffer for online EAGLE-3 draft training.
 
 Why it exists: the policy changes at every RL step, so the draft must keep learning from the
-target features of the *current* policy (DESIGN.md section 1). Two sources feed it at no extra
+target features of the *current* policy (docs/design.md section 1). Two sources feed it at no extra
 forward pass: the rollout engine, which computes the target's hidden states at every verified
 position anyway (`add_trajectories`, hard labels), and the policy trainer's own log-prob forward
 on the very same sequences (`add_from_trainer_forward`, soft targets from its logits).

@@ -122,7 +122,7 @@ _temperature.bounds = "finite, >= 0"
 
 
 def _seed(text: str) -> int:
-    from specrl.setup import check_seed
+    from specrl.rl_setup import check_seed
 
     try:
         v = int(text)

@@ -2,7 +2,7 @@
 
 Why measured: the textbook speedup (1 - a^(g+1)) / ((1 - a)(g c + 1)) assumes verifying g+1
 tokens costs one target step. For an MoE target it costs 1.5x to 3x more, depending on the batch
-size (DESIGN.md section 4), so the only safe yardstick is the wall time of the engine's own
+size (docs/design.md section 4), so the only safe yardstick is the wall time of the engine's own
 steps. Per batch bucket (n_active rounded up) the controller keeps EMAs of seconds per plain
 step, seconds per speculative step and tokens emitted per sequence per step (accept length) per
 gamma, plus one global per-token acceptance alpha. Throughput per sequence is 1 / t_plain for

@@ -22,7 +22,7 @@ DS_BUILD_OPS=0 no DeepSpeed kernels are compiled, so DeepSpeedCPUAdam / FusedAda
 available: the client optimizer is `torch.optim.AdamW` (on ZeRO's supported list), which ZeRO
 1/2 wraps with its partitioned fp32 master state.
 
-Failure isolation (DESIGN.md: the RL run goes on whatever the draft does): a non-finite loss on
+Failure isolation (docs/design.md section 1: the RL run goes on whatever the draft does): a non-finite loss on
 any rank skips the step on all ranks (the decision is all-reduced, so no rank waits in a
 collective the others skipped).
 """

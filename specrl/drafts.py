@@ -24,7 +24,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from specrl.config import DraftTrainConfig
 from specrl.presets import get_preset
-from specrl.setup import build_task_and_policy, encode_prompts
+from specrl.rl_setup import build_task_and_policy, encode_prompts
 from target_training.checkpoint import load_checkpoint
 from target_training.sft import default_cache_dir
 

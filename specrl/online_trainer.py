@@ -1,6 +1,6 @@
 """Online EAGLE-3 draft training while GRPO changes the policy.
 
-Why: a draft trained once goes stale as RL moves the policy (DESIGN.md section 1b). This trainer
+Why: a draft trained once goes stale as RL moves the policy (docs/design.md section 1b). This trainer
 takes short, budgeted bursts of TTT steps (`draft_models.ttt.ttt_loss`, the same loss as offline
 training) on records from a `specrl.buffer.FeatureBuffer`, in the device's idle windows, and
 hands fresh weights to the engine's draft copy (`export_weights`, SGLang parameter names).
@@ -14,7 +14,7 @@ Isolation rules, each one checked by tests/test_online_trainer.py:
   by design, so loading new policy weights changes what the draft *reads* (the current
   embedding) and none of the draft's own parameters.
 - A failed step costs nothing: a non-finite loss or gradient norm (e.g. NaN features) skips the
-  update, leaves weights and optimizer state untouched and raises nothing; DESIGN.md asks that
+  update, leaves weights and optimizer state untouched and raises nothing; docs/design.md asks that
   the RL run goes on whatever the draft side does.
 - Non-finite weights never stick: if the draft's own weights are found non-finite (after an
   update, or when a step fails and the cause is the weights rather than the batch), the trainer

@@ -115,7 +115,7 @@ RL_PRESETS: dict[str, RunPreset] = {
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
                        cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["quick"])),
-    # Policy drift on purpose (DESIGN 1b): the rare "cols" worked-step style is 5% of the SFT data,
+    # Policy drift on purpose (docs/design.md section 1b): the rare "cols" worked-step style is 5% of the SFT data,
     # so the starting draft (trained on the SFT policy's samples) has seen little of it; a reward
     # bonus for that format moves the policy there during RL, and the later steps sharpen it.
     "drift": RunPreset(model="quick", sft=SFTConfig(steps=600, batch_size=32, lr=3e-3, n_examples=4000),

@@ -1,6 +1,6 @@
 """Draft training in the idle windows of the shared device, within a time and memory budget.
 
-The draft trainer shares one device with the rollout engine and the policy trainer (DESIGN.md
+The draft trainer shares one device with the rollout engine and the policy trainer (docs/design.md
 section 1, "Device sharing"). Its work must never delay an RL step by more than its budget, so
 the scheduler hands out time, not steps:
 

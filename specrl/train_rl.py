@@ -2,7 +2,7 @@
 
 `train_rl` is the whole RL algorithm at a glance: per step, rollout (speculative with
 --spec frozen|online), reward, policy update, draft co-training, log, checkpoint. What the run
-is built from (task, policy, engine, prompts, rewards, evaluation) is in specrl/setup.py; the
+is built from (task, policy, engine, prompts, rewards, evaluation) is in specrl/rl_setup.py; the
 run folder (run.json, metrics.jsonl, summary.json, the resumable checkpoint) in
 specrl/run_dir.py.
 """
@@ -22,7 +22,7 @@ from specrl.drafts import cached_offline_draft
 from specrl.presets import RunPreset, get_preset
 from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, restore_state,
                             run_identity, save_state, write_summary)
-from specrl.setup import (ENGINES, build_engine, build_task_and_policy, check_seed, encode_prompts, evaluate,
+from specrl.rl_setup import (ENGINES, build_engine, build_task_and_policy, check_seed, encode_prompts, evaluate,
                           rollout_params, score, step_examples, sync_policy)
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir

@@ -135,7 +135,7 @@ PRESETS: dict[str, dict] = {
                   expert_intermediate_size=128, num_experts=8, top_k=2, dense_intermediate_size=256,
                   max_seq_len=192),
     # ~5M parameters, 12 layers: a target deep enough that one draft step (one layer) costs a few
-    # percent of a target step, as for the 28-64 layer targets EAGLE-3 serves (DESIGN section 4);
+    # percent of a target step, as for the 28-64 layer targets EAGLE-3 serves (docs/design.md section 4);
     # `specrl bench speed --preset speed` measures speculation at that draft/target cost ratio.
     "speed": dict(hidden_size=128, num_layers=12, num_heads=4, num_kv_heads=2, head_dim=32,
                   expert_intermediate_size=128, num_experts=8, top_k=2, dense_intermediate_size=256,

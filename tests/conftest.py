@@ -34,7 +34,7 @@ def prompts():
 def sft_policy(tmp_path_factory):
     """The CI-preset SFT policy on the arith task (trained once per session, a few seconds)."""
     from specrl.presets import get_preset
-    from specrl.setup import build_task_and_policy
+    from specrl.rl_setup import build_task_and_policy
 
     cache = tmp_path_factory.mktemp("cache")
     tokenizer, task, policy, _ = build_task_and_policy("arith", get_preset("ci"), cache, log=lambda *a: None)
@@ -46,7 +46,7 @@ def offline_draft(sft_policy):
     """A draft trained offline on the SFT policy's rollouts, so speculation accepts tokens."""
     from specrl.config import DraftTrainConfig
     from specrl.drafts import cached_offline_draft
-    from specrl.setup import encode_prompts
+    from specrl.rl_setup import encode_prompts
 
     tokenizer, task, policy, cache = sft_policy
     prompts = encode_prompts(tokenizer, task.examples("train", 256, 5))

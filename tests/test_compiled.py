@@ -12,7 +12,7 @@ import torch
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
-from specrl.setup import encode_prompts
+from specrl.rl_setup import encode_prompts
 
 
 SPEC = {"chain": SpecConfig("chain", 2), "tree": SpecConfig("tree", gamma=2, tree_topk=2, tree_budget=6)}

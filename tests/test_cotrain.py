@@ -70,7 +70,7 @@ def test_disabled_plugin_leaves_engine_and_trainer_untouched(tiny_model):
 def test_draft_failure_falls_back_to_plain(sft_policy, offline_draft):
     """A crashing or NaN draft never stops generation: outputs equal plain decoding, the fault is counted."""
     tokenizer, task, policy, _ = sft_policy
-    from specrl.setup import encode_prompts
+    from specrl.rl_setup import encode_prompts
 
     prompts = encode_prompts(tokenizer, task.examples("heldout", 12, 4))
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,), seed=2)

@@ -11,7 +11,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.profile import PLAIN_PHASES, SPEC_PHASES, StepProfiler, low_quartile, phase_breakdown
 from rollout.protocol import SamplingParams, SpecStats
 from rollout.speculative import SpecConfig, Speculator
-from specrl.setup import encode_prompts
+from specrl.rl_setup import encode_prompts
 
 
 def test_low_quartile_and_breakdown():

@@ -205,7 +205,7 @@ def test_the_client_matches_the_engine_protocols_without_a_server():
     import inspect
 
     from rollout.protocol import DraftReceiver, RolloutEngine
-    from specrl.setup import build_engine
+    from specrl.rl_setup import build_engine
 
     eng = build_engine("sglang", None, None, None, sglang_url="http://127.0.0.1:9")
     assert isinstance(eng, SGLangEngine) and isinstance(eng, RolloutEngine) and isinstance(eng, DraftReceiver)

@@ -10,7 +10,7 @@ from draft_models.checkpoint import DraftCheckpointError
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
-from specrl.setup import encode_prompts
+from specrl.rl_setup import encode_prompts
 from helpers import chi2_pvalue
 
 SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4), "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=10)}

@@ -35,7 +35,7 @@ def setup(tmp_path_factory):
     from specrl.config import DraftTrainConfig
     from specrl.drafts import cached_offline_draft
     from specrl.presets import get_preset
-    from specrl.setup import build_task_and_policy, encode_prompts
+    from specrl.rl_setup import build_task_and_policy, encode_prompts
 
     from target_training.sft import default_cache_dir
 
@@ -64,7 +64,7 @@ def spec(setup):
 
 
 def _prompts(setup, n, seed=11):
-    from specrl.setup import encode_prompts
+    from specrl.rl_setup import encode_prompts
 
     tokenizer, task = setup[0], setup[1]
     return encode_prompts(tokenizer, task.examples("heldout", n, seed))

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from specrl.presets import get_preset
-from specrl.setup import build_task_and_policy, encode_prompts, rollout_params
+from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
 from target_training.sft import default_cache_dir
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from experiments.bench.common import save_summary, timed_generate
 from rollout.engine import EmbeddedEngine, EngineConfig
 from specrl.presets import get_preset
-from specrl.setup import build_task_and_policy, encode_prompts, rollout_params
+from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
 from target_training.sft import default_cache_dir
 
 

@@ -48,7 +48,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
 from specrl.presets import DRIFT_COTRAIN_FIXED, RunPreset, get_preset
-from specrl.setup import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
+from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
 from target_training.grpo import GRPOTrainer
 
 MODES = ("none", "sequential", "overlap", "overlap_rollout")

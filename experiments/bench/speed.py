@@ -53,7 +53,7 @@ MEASUREMENT = {
                     "then the chain or tree steps, with their sampling) divided by the drafted depth gamma",
     "c": "draft_step_s / target_step_s",
     "verify_cost": "verify_s / target_step_s",
-    "bound": "accept_length / (verify_cost + gamma * c) (DESIGN section 4): the speed-up if the loop around "
+    "bound": "accept_length / (verify_cost + gamma * c) (docs/design.md section 4): the speed-up if the loop around "
              "the forwards cost nothing",
     "efficiency": "speedup / bound",
     "bound_median": "the bound from the medians of the same step samples instead of their lower quartiles "
@@ -139,7 +139,7 @@ def efficiency_factors(row: dict, plain_profile: dict) -> dict | None:
 
 
 def speedup_bound(accept_length: float, verify_cost: float, c: float, gamma: int) -> float:
-    """DESIGN section 4: accept_length / (verify_cost + gamma * c), the speed-up if the loop
+    """docs/design.md section 4: accept_length / (verify_cost + gamma * c), the speed-up if the loop
     around the forwards cost nothing (MEASUREMENT["bound"])."""
     return accept_length / (verify_cost + gamma * c)
 
@@ -336,8 +336,7 @@ class VLLMArms:
 
     def close(self) -> None:
         for e in self.engines.values():
-            if hasattr(e, "shutdown"):
-                e.shutdown()
+            e.shutdown()
 
 
 # -- the measurement ----------------------------------------------------------------------------

@@ -58,7 +58,7 @@ def build_engine(name: str, policy, preset: RunPreset, out: Path, *, sglang_url:
 
 def sync_policy(engine, policy) -> float | None:
     """Policy sync after an update (seconds); None for an engine that runs the policy module."""
-    if isinstance(engine, EmbeddedEngine) and engine.model is policy:
+    if engine.runs_in_place(policy):
         return None
     t0 = time.perf_counter()
     engine.load_policy_weights(policy.state_dict())
