@@ -248,12 +248,12 @@ def test_prompts_fuse_only_within_the_padding_budget(sft_policy, offline_draft, 
     for budget in (0, 20, 1000):
         seen = paddings[budget] = []
 
-        def spy(self, cache, slots, ids, params, capture, spec, prefill=None, **kw):
+        def spy(self, run, slots, ids, prefill=None, **kw):
             if prefill is not None:  # the padding this fused forward adds over the two it replaces
                 B, T = ids.shape
                 n, W = prefill.ids.shape
                 seen.append(B * max(W - T, 0) + n * max(T - W, 0))
-            return forward(self, cache, slots, ids, params, capture, spec, prefill, **kw)
+            return forward(self, run, slots, ids, prefill, **kw)
 
         monkeypatch.setattr(EmbeddedEngine, "forward", spy)
         spec = Speculator(offline_draft, spec_cfg) if mode else None
