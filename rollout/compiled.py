@@ -19,13 +19,16 @@ and only where it measured faster on the CPU it was tuned on: blocks of at most 
 compiling its chain steps the same way gained 1-8% at 1-4 rows in most runs, lost in others,
 and lost at 16 (README, experiments/compile_draft.py's `static` arm).
 
-If compiling or running a shape fails, that shape runs eagerly from then on and the error is
-kept in `failures`: the compiled path can make a step faster, never stop a rollout. Weights are
-graph inputs, so a policy sync (in place) reaches the graphs. Compiled and eager forwards agree
+If compiling or running a shape fails, that shape runs eagerly from then on, the error is
+kept in `failures` and a RuntimeWarning names the shape and the error (once per shape): the
+compiled path can make a step faster, never stop a rollout. Weights are graph inputs, so a
+policy sync (in place) reaches the graphs. Compiled and eager forwards agree
 to rounding (the dense dispatch and inductor's fusions reorder float sums), which the tests
 check on whole rollouts: same tokens, log-probs within 1e-5.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -69,6 +72,8 @@ class CompiledForwards:
                 out = self._compiled(input_ids, cache=cache, key_len=cache.max_len, moe_dispatch="dense", **kwargs)
         except Exception as err:  # compile or run failed: this shape is eager from now on
             self.failures[shape] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            warnings.warn(f"compiled target forward failed for block shape {shape}; that shape runs eagerly "
+                          f"from now on ({self.failures[shape]})", RuntimeWarning)
             cache.lengths.copy_(lengths)  # a block that failed part-way leaves the slots as they were
             return eager()
         self.shapes.add(shape)

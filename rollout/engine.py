@@ -12,11 +12,15 @@ asks its proposer for a draft (rollout.proposer), verifies it with one target fo
 feature capture stay the engine's. The speculation modules never call back into the engine.
 
 Sampling is keyed by (seed, request id, token index) in "coupled" mode (the default), so a
-request's output does not depend on which slot or batch it ran in.
+request's output does not depend on which slot or batch it ran in. In "rng" mode a generate call
+draws from a torch generator on the model's device, seeded from the seed and the call's request
+ids (`rng_seed`): calls with fresh ids (the RL loop's, step * batch + i) draw fresh randomness,
+and the same seed and ids give the same samples.
 """
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import time
 from collections import deque
@@ -51,6 +55,14 @@ def hand_back(*columns: torch.Tensor) -> list[list[float]]:
     the step's hand-back, a sync on an accelerator. float64 holds every token id and count
     exactly (integers below 2**53) next to the log-probs."""
     return torch.cat([c.reshape(c.shape[0], -1).double() for c in columns], 1).tolist()
+
+
+def rng_seed(seed: int, request_ids: Sequence[int]) -> int:
+    """The seed of an "rng"-mode generate call's random stream: a hash of the sampling seed and
+    all the call's request ids, in order. A constant seed with fresh request ids gives a fresh
+    stream; the same seed and ids give the same stream on every run."""
+    key = repr((int(seed), [int(r) for r in request_ids])).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2 ** 63 - 1)
 
 
 MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
@@ -162,7 +174,7 @@ class EmbeddedEngine:
         self.compiled = CompiledForwards(model) if self.config.compile_forwards else None  # rollout.compiled
         if speculator is not None:
             speculator.check_target(model)
-        self.generator = torch.Generator(device="cpu")
+        self.generator: torch.Generator | None = None  # "rng" mode's stream; made on the model's device
         self.last_stats: dict = {}
         # called as hook(n_active, n_slots) after every engine step (n_slots: the most sequences a
         # step decodes, prefill_ahead slots excluded): the rollout's long tail is
@@ -177,6 +189,7 @@ class EmbeddedEngine:
 
     # -- protocol -------------------------------------------------------------------------
     captures_features = True  # generate(capture_features=True) fills Trajectory.features
+    takes_controller = True  # install_draft(controller=...): adaptive speculation per engine step
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
@@ -221,7 +234,7 @@ class EmbeddedEngine:
         if len(request_ids) != len(prompts):
             raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
         states = [self._new_state(i, rid, p, params) for i, (rid, p) in enumerate(zip(request_ids, prompts))]
-        self.generator.manual_seed(params.seed)
+        self._seed_generator(params.seed, request_ids)
         n_decode = min(self.config.max_batch, len(states))  # sequences decoded per step, at most
         n_slots = min(self.config.max_batch + self.config.prefill_ahead, len(states))  # KV-cache slots
         spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None else None
@@ -232,6 +245,8 @@ class EmbeddedEngine:
         pending = deque(states)
         slots: list[SlotState | None] = [None] * n_slots
         t0, steps = time.perf_counter(), 0
+        phase_s = {"full": 0.0, "tail": 0.0}  # wall time of steps at the full batch and of the tail's smaller ones
+        spec_steps = 0
         while pending or any(s is not None for s in slots):
             free = [i for i, s in enumerate(slots) if s is None]
             admit = [(i, pending.popleft()) for i in free[: len(pending)]]
@@ -251,6 +266,7 @@ class EmbeddedEngine:
                 t_step = time.perf_counter()
                 prof = self.profiler
                 if spec is not None and spec.should_speculate(len(active)):
+                    spec_steps += 1
                     if prof is not None:
                         prof.begin("spec", len(active), prefill is not None)
                     lengths = [s.n_cached for s in act_states]  # to roll back to after a fault (host values)
@@ -274,6 +290,7 @@ class EmbeddedEngine:
                     if prof is not None:
                         prof.end()
                 steps += 1
+                phase_s["full" if len(active) == n_decode else "tail"] += time.perf_counter() - t_step
                 for hook in self.step_hooks:
                     hook(len(active), n_decode)
             for i, s in enumerate(slots):
@@ -282,10 +299,19 @@ class EmbeddedEngine:
         wall = time.perf_counter() - t0
         n_tokens = sum(len(s.tokens) for s in states)
         self.last_stats = {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / max(wall, 1e-9),
-                           "engine_steps": steps, "spec_faults": int(spec is not None and spec.faulted)}
+                           "engine_steps": steps, "spec_steps": spec_steps, "full_batch_s": phase_s["full"],
+                           "tail_s": phase_s["tail"], "spec_faults": int(spec is not None and spec.faulted)}
         return [self._to_trajectory(s, capture_features) for s in states]
 
     # -- internals ------------------------------------------------------------------------
+    def _seed_generator(self, seed: int, request_ids: list[int]) -> None:
+        """Seed the "rng" stream of one generate call (`rng_seed`), on the model's device: a
+        generator on another device is refused by the sampling ops (a model moved since the last
+        call gets a new one)."""
+        if self.generator is None or self.generator.device != self.device:
+            self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(rng_seed(seed, request_ids))
+
     @staticmethod
     def _decoding(slots: list, n_decode: int, exclude=()) -> list[int]:
         """The slots this step decodes: unfinished, prefilled requests (not `exclude`, whose
@@ -423,7 +449,9 @@ class EmbeddedEngine:
         accepted run; `_commit` emits. From the verify forward on, nothing is read back from the
         device until `_commit` hands the emitted tokens back in one transfer; the draft's health
         check (NaN or +inf logits) travels with it, and a bad draft is raised as a fault before
-        any slot state changes (`generate` then rolls the target cache back and decodes plainly)."""
+        any slot state changes (`generate` then rolls the target cache back and decodes plainly).
+        A failure of the target's verify forward is the target's, not a draft fault: it is marked
+        (`SpecSession.target_error`) and the session raises it again, out of `generate`."""
         spec, cache = run.spec, run.cache
         slots = torch.tensor(active, device=cache.lengths.device)
         L = cache.lengths[slots]  # (B,)
@@ -440,7 +468,12 @@ class EmbeddedEngine:
         proposal = spec.proposer.propose(step)
 
         def target(ids, positions=None, attn_mask=None, key_len=None) -> ModelOutput:
-            return self.forward(run, slots, ids, prefill, positions=positions, attn_mask=attn_mask, key_len=key_len)
+            try:
+                return self.forward(run, slots, ids, prefill, positions=positions, attn_mask=attn_mask,
+                                    key_len=key_len)
+            except Exception as err:  # the target's own failure, not the draft's: the session raises it again
+                spec.target_error = err
+                raise
 
         verdict = verify(step, proposal, target, self.tap_layers(run))
         if verdict.kv_positions is not None:  # a tree: the accepted path's entries move to L ..

@@ -118,6 +118,7 @@ class SpecSession:
     def __init__(self, spec: Speculator, proposer: Proposer):
         self.spec, self.cfg, self.proposer = spec, spec.config, proposer
         self.faulted = False
+        self.target_error: Exception | None = None  # set by the engine when the target's verify forward fails
 
     def should_speculate(self, n_active: int) -> bool:
         if not self.spec.enabled or self.faulted:
@@ -149,7 +150,10 @@ class SpecSession:
 
     def on_fault(self, err: Exception) -> None:
         """A draft-side failure: plain decoding for the rest of this generate() call; the next
-        call tries speculation again."""
+        call tries speculation again. A failure of the target's own verify forward
+        (`target_error`) is no draft fault and plain decoding would not avoid it: raised again."""
+        if err is self.target_error:
+            raise err
         msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         self.spec.faults.append(msg)
         self.faulted = True

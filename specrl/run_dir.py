@@ -38,27 +38,46 @@ class RunDirError(ValueError):
 
 # ---------------------------------------------------------------------- the folder and its identity
 def open_run_dir(out: Path, identity: dict, resume: bool, log=print) -> None:
-    """Make `out` ready: finish an interrupted save, refuse a folder that holds a run unless
-    resuming (and one that holds none when resuming), check it is writable, then check a resumed
-    run's identity (before anything is trained) or write a new run's, and read a resumed run's
-    metrics so a damaged line is named now, not after the SFT warm start."""
+    """Make `out` ready: finish an interrupted save, refuse a folder that holds a run that
+    started unless resuming (and one that holds none when resuming), check it is writable, then
+    check a resumed run's identity (before anything is trained) or write a new run's, and read a
+    resumed run's metrics so a damaged line is named now, not after the SFT warm start.
+
+    A run that never started (it failed before its first step was logged: a bad task file, an
+    interrupted warm start) left only its run.json: a new run takes the folder over without
+    --resume, and --resume starts it from step 0."""
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--out {out} exists and is not a folder")
     if out.is_dir():
         recover_dir(out / CKPT, log=log)  # a save that a crash interrupted
-    has_run = any((out / name).exists() for name in (METRICS_FILE, CKPT, RUN_FILE))
-    if has_run and not resume:
+    started = run_started(out)
+    if started and not resume:
         raise RunDirError(f"output folder {out} already holds a run; pass --resume to continue it or choose another --out")
-    if resume and not has_run:
+    if resume and not started and not (out / RUN_FILE).exists():
         raise RunDirError(f"--resume given but {out} holds no run")
     out.mkdir(parents=True, exist_ok=True)
     check_writable(out)
     if resume and (out / RUN_FILE).exists():
         check_identity(out, identity)
     else:
+        if (out / RUN_FILE).exists():
+            log(f"[rl] {out} holds a run that never started (no metrics row, no checkpoint); starting a new one")
         write_identity(out, identity)
     if resume and (out / METRICS_FILE).exists():
         read_metrics(out / METRICS_FILE)
+
+
+def run_started(out: Path) -> bool:
+    """Whether `out` holds a run that got as far as logging a step: a checkpoint (or a link to
+    one), a metrics line (even a damaged one) or a summary. run.json alone is written before any
+    work, so a run that failed before its first step leaves nothing else."""
+    if os.path.lexists(out / CKPT) or (out / SUMMARY_FILE).exists():
+        return True
+    metrics = out / METRICS_FILE
+    if not metrics.exists():
+        return False
+    with open(metrics, "rb") as f:  # a resume before the first checkpoint empties it (truncate_metrics)
+        return f.read(4096).strip() != b""
 
 
 def check_writable(folder: Path) -> None:

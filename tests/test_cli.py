@@ -35,9 +35,21 @@ def test_bench_bad_batches(tmp_path, capsys):
     assert "--batches" in _err_line(capsys)
 
 
-def test_run_refuses_to_overwrite_and_resumes(tmp_path, cache, capsys):
+def test_run_refuses_to_overwrite_and_resumes(tmp_path, cache, capsys, monkeypatch):
+    import specrl.train_rl
+
     out = tmp_path / "run"
     base = ["train-rl", "--preset", "ci", "--out", str(out), "--cache-dir", str(cache), "--no-progress"]
+
+    def disk_full(*a, **k):
+        raise OSError(28, "No space left on device", str(cache))
+
+    # a run that fails in its warm start, before any step, does not block the same command's retry
+    monkeypatch.setattr(specrl.train_rl, "build_task_and_policy", disk_full)
+    assert main(base + ["--steps", "1"]) == 2
+    assert "No space left on device" in _err_line(capsys)
+    assert sorted(p.name for p in out.iterdir()) == ["run.json"]
+    monkeypatch.undo()
     assert main(base + ["--steps", "1"]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0]
@@ -173,6 +185,21 @@ def test_bad_task_files_name_the_file_and_line(tmp_path, text, match):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert str(f) in lines[0] and re.search(match, lines[0])
+
+
+def test_a_run_refused_for_its_task_file_does_not_block_its_retry(tmp_path, capsys):
+    """A bad task file is refused after the run folder is opened: run.json is left there, and the
+    retry, with or without --resume, meets the task file's error again, not the folder's."""
+    f = tmp_path / "tasks.jsonl"
+    f.write_text('{"prompt": "1+1", "answer": \n')
+    out = tmp_path / "r"
+    argv = ["train-rl", "--task", str(f), "--out", str(out), "--cache-dir", str(tmp_path / "c"), "--no-progress"]
+    for extra in ([], [], ["--resume"]):
+        capsys.readouterr()
+        assert main(argv + extra) == 2
+        err = capsys.readouterr().err
+        assert "line 1 is not valid JSON" in err and "already holds a run" not in err, err
+        assert sorted(p.name for p in out.iterdir()) == ["run.json"]
 
 
 # ---------------------------------------------------------------- resume: identity, damage, early kill

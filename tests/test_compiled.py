@@ -77,8 +77,10 @@ def test_compiled_graphs_follow_policy_syncs(setup):
 
 
 def test_a_failing_compiled_graph_falls_back_to_eager(setup, monkeypatch):
-    """A shape whose compiled call raises runs eagerly from then on, the error recorded; the
-    rollout is eager decoding's, token for token."""
+    """A shape whose compiled call raises runs eagerly from then on, the error recorded and
+    warned about once per shape; the rollout is eager decoding's, token for token."""
+    import warnings
+
     policy, draft, prompts, params = setup
     _, eager = _run(policy, draft, False, prompts, params)
     calls = []
@@ -88,11 +90,17 @@ def test_a_failing_compiled_graph_falls_back_to_eager(setup, monkeypatch):
         raise RuntimeError("inductor failed\nsecond line")
 
     monkeypatch.setattr(torch, "compile", lambda fn, **options: broken)
-    engine, out = _run(policy, draft, True, prompts, params)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        engine, out = _run(policy, draft, True, prompts, params)
     _same(out, eager)
     assert engine.compiled.failures and not engine.compiled.shapes
     assert set(engine.compiled.failures.values()) == {"RuntimeError: inductor failed"}
     assert len(calls) == len(engine.compiled.failures)  # each shape tried once, then eager
+    warned = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning) and "compiled" in str(w.message)]
+    assert len(warned) == len(engine.compiled.failures)  # one warning per shape sent to eager
+    for shape, msg in zip(engine.compiled.failures, warned):
+        assert str(shape) in msg and "RuntimeError: inductor failed" in msg
     assert not engine.draft_faults  # a compile failure is not a draft fault: speculation went on
 
 

@@ -53,6 +53,22 @@ def test_coupled_sampling_independent_of_batching(tiny_model, prompts):
     assert [t.token_ids for t in a] != [t.token_ids for t in c]  # the seed matters
 
 
+def test_rng_sampling_fresh_per_call_and_reproducible(tiny_model, prompts, one_thread):
+    """rng mode keys each call's stream on the seed and the call's request ids: a constant seed
+    with fresh ids (an RL loop's next step) draws fresh samples; the same seed and ids replay."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=3)
+    n = len(prompts)
+
+    def tokens(engine, ids):
+        return [t.token_ids for t in engine.generate(prompts, params, request_ids=ids)]
+
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=4, sampling_mode="rng"))
+    first, again, later = tokens(engine, range(n)), tokens(engine, range(n)), tokens(engine, range(n, 2 * n))
+    assert first == again
+    assert later != first
+    assert tokens(EmbeddedEngine(tiny_model, EngineConfig(max_batch=4, sampling_mode="rng")), range(n, 2 * n)) == later
+
+
 def test_continuous_batching_refills_slots(tiny_model, prompts):
     """Stopping on a frequent token makes lengths uneven; all requests still finish correctly."""
     engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2))

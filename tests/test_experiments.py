@@ -64,7 +64,7 @@ def test_drift_outputs(drift_runs):
     assert summary["speedup_online_over_frozen_end"] == pytest.approx(statistics.median(per_repeat))
     assert summary["online_over_reference_min"] == min(ratios)
     assert summary["reference_steps"] == steps
-    assert 0.0 <= summary["draft_added_fraction"] < 10.0
+    assert 0.0 < summary["draft_added_fraction"] < 1.0  # measured 0.34-0.35 on the 2-core CI box
     added = sum(r["perf/draft_train_s"] + r["perf/feature_capture_s"] for r in
                 [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()])
     assert added > 0
@@ -73,10 +73,13 @@ def test_drift_outputs(drift_runs):
     assert [r["step"] for r in rl_rows] == list(range(preset.rl.rl_steps))
     assert all(r["train/draft_steps"] <= preset.rl.cotrain.max_draft_steps for r in rl_rows)
     assert sum(r["train/draft_steps"] for r in rl_rows) > 0
-    # the policy moved, the frozen draft stayed put, the online draft was retrained
+    # the policy moved away from the frozen draft, whose accept length fell (seed 1: 2.75 -> 2.26);
+    # the online draft was retrained and kept more of it (2.55), close to a draft retrained from
+    # scratch on the current policy (lowest online/reference ratio 0.996)
     assert summary["kl_end"] > 0
-    assert 1.0 <= summary["tau_frozen_end"] <= 1.0 + preset.rl.cotrain.spec.gamma
-    assert summary["tau_online_end"] != summary["tau_frozen_end"]
+    assert summary["tau_frozen_end"] < summary["tau_start"] - 0.2
+    assert summary["tau_online_end"] > summary["tau_frozen_end"] + 0.1
+    assert summary["online_over_reference_min"] > 0.9
     # the deep target's sweep: plain, chain and adaptive at every sweep batch, lossless, with the bound's parts
     deep = summary["speedup_vs_batch_deep_target"]
     assert [(r["batch"], r["mode"]) for r in deep] == [(b, m) for b in preset.speed_batches

@@ -77,13 +77,19 @@ def test_a_deterministic_proposer_decodes_what_plain_decoding_does(tiny_model, p
             assert accepted == 0
 
 
-def test_a_deterministic_proposer_samples_in_rng_mode(tiny_model, prompts):
-    """Rejection sampling reads the draft's distribution: a point mass stands in for None."""
-    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
-    plain, _ = _run(tiny_model, prompts, params, sampling_mode="rng")
-    out, _ = _run(tiny_model, prompts, params, {t.request_id: t.token_ids for t in plain}, sampling_mode="rng")
-    assert [len(t.token_ids) for t in out] == [len(t.token_ids) for t in plain]
-    assert sum(t.spec.accepted for t in out) > 0
+def test_a_deterministic_proposer_samples_in_rng_mode(tiny_model, prompts, one_thread):
+    """Rejection sampling reads the draft's distribution: a point mass stands in for None. The
+    tiny random model is near uniform, so a proposal of plain decoding's token is accepted only
+    now and then over the full vocabulary; under top_k=1 all the target's mass is on it, so the
+    proposals are accepted and the rollout is plain decoding's."""
+    for top_k in (0, 1):
+        params = SamplingParams(temperature=1.0, top_k=top_k, max_new_tokens=12, seed=5)
+        plain, _ = _run(tiny_model, prompts, params, sampling_mode="rng")
+        out, _ = _run(tiny_model, prompts, params, {t.request_id: t.token_ids for t in plain}, sampling_mode="rng")
+        assert [len(t.token_ids) for t in out] == [len(t.token_ids) for t in plain]
+        assert sum(t.spec.verify_steps for t in out) > 0
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    assert sum(t.spec.accepted for t in out) > 2 * sum(t.spec.verify_steps for t in out)
 
 
 def _modules_after_import(module: str) -> set[str]:

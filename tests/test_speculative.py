@@ -38,7 +38,10 @@ def test_greedy_identical_on_500_prompts(sft_policy, offline_draft, mode, batch)
     prompts = _prompts(tokenizer, task, 500)
     params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,))
     plain = _engine(policy, 64).generate(prompts, params)
-    spec = _engine(policy, batch, offline_draft, mode).generate(prompts, params)
+    engine = _engine(policy, batch, offline_draft, mode)
+    spec = engine.generate(prompts, params)
+    # speculation ran the whole rollout: a fault would fall back to plain decoding and still match
+    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
     assert [t.token_ids for t in spec] == [t.token_ids for t in plain]
     assert [t.finish_reason for t in spec] == [t.finish_reason for t in plain]
     diff = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(spec, plain))
@@ -534,3 +537,38 @@ def test_fit_groups():
         assert max([60, 0, 0, 55, 30][r] for r in g) + max([4, 50, 10, 3, 30][r] for r in g) <= 69
     with pytest.raises(ValueError, match="overflow"):
         fit_groups([66], [4], 69)
+
+
+# ---- failures inside a speculative step: the draft's fall back, the target's propagate --------------
+def test_a_target_failure_is_raised_and_a_draft_failure_falls_back(tiny_model, one_thread, monkeypatch):
+    """A verify forward of the target that raises is the target's failure, not a draft fault:
+    generate raises it and no fault is recorded. A draft that raises still turns speculation off
+    for the call, with the fault recorded and plain decoding's tokens."""
+    prompts, draft = _context_end_setup(tiny_model, (5, 9, 3, 12))
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2)).generate(prompts, params)
+
+    spec = Speculator(draft, SpecConfig(mode="chain", gamma=3))
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2), speculator=spec)
+    forward = engine.forward
+
+    def failing_verify(run, slots, ids, *args, **kwargs):
+        if ids.shape[1] > 1:  # a verify block; plain decode blocks are one token wide
+            raise RuntimeError("target forward failed")
+        return forward(run, slots, ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "forward", failing_verify)
+    with pytest.raises(RuntimeError, match="target forward failed"):
+        engine.generate(prompts, params)
+    assert spec.faults == []
+    monkeypatch.undo()
+
+    def failing_draft(*args, **kwargs):
+        raise RuntimeError("draft forward failed")
+
+    monkeypatch.setattr(draft, "forward", failing_draft)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2), speculator=spec)
+    with pytest.warns(RuntimeWarning, match="draft failure"):
+        out = engine.generate(prompts, params)
+    assert spec.faults == ["RuntimeError: draft forward failed"] and engine.last_stats["spec_faults"] == 1
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]

@@ -128,14 +128,26 @@ def test_speculation_is_lossless_inside_trl(online_run, tmp_path):
     assert all(r["rollout/spec_verify_steps"] > 0 for r in frozen)
 
 
-def test_disabled_plugin_gives_vanilla_trl_losses(tmp_path):
+def test_disabled_plugin_leaves_trl_vanilla():
+    """Off, the plug-in hands GRPOTrainer nothing but the caller's own callbacks (no rollout
+    function, no callback of its own) and building it leaves the model's weights, dtypes and
+    mode and the host's RNG as they were: TRL then runs vanilla TRL, with nothing to compare."""
+    from transformers import TrainerCallback
+
     off = TRLSpecConfig(cotrain=CoTrainConfig(mode="off"))
-    assert specrl_grpo_kwargs(tiny_hf_model("qwen3_moe"), config=off) == {}
-    _, _, vanilla = _run(tmp_path, "vanilla")
-    _, plugin, disabled = _run(tmp_path, "off", off)
-    assert plugin is None
-    assert [r["loss"] for r in disabled] == [r["loss"] for r in vanilla]
-    assert _core(disabled) == _core(vanilla)
+    model = tiny_hf_model("qwen3_moe", scale=0.3).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    plugin = SpecRLPlugin(model, config=off)
+    user = TrainerCallback()
+    assert plugin.grpo_kwargs() == {} and specrl_grpo_kwargs(model, config=off) == {}
+    assert plugin.grpo_kwargs([user]) == {"callbacks": [user]}
+    assert plugin.engine is None and plugin.cotrain is None
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    for k, v in before.items():
+        assert after[k].dtype == v.dtype and after[k].device == v.device and torch.equal(after[k], v), k
+    assert model.training and torch.equal(torch.get_rng_state(), rng)
 
 
 def test_unsupported_settings_fail_clearly():

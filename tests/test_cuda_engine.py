@@ -1,0 +1,112 @@
+"""The embedded engine on CUDA: plain, chain and tree decoding under greedy, coupled and rng
+sampling, with feature capture. Skipped without a GPU.
+
+The CI policy and its offline draft are trained on the CPU (the session fixtures) and copied
+onto the GPU. Greedy and coupled speculation must give plain decoding's tokens there too (fp32,
+log-probs to 1e-4: GPU kernels of different block widths reorder float sums); rng sampling must
+run without a draft fault, with its generator on the GPU, and replay from its seed and ids."""
+import copy
+
+import pytest
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+from rollout.speculative import SpecConfig, Speculator
+from specrl.rl_setup import encode_prompts
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4),
+                "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=10)}
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def cuda_setup(sft_policy, offline_draft):
+    """The policy and its draft on the GPU (copies: the session's CPU modules stay as they are),
+    and task prompts mixed with random token strings (high and low acceptance)."""
+    tokenizer, task, policy, _ = sft_policy
+    target = copy.deepcopy(policy).to("cuda").eval()
+    draft = copy.deepcopy(offline_draft).to("cuda")
+    draft.set_target_embedding(target.embed_tokens)
+    prompts = encode_prompts(tokenizer, task.examples("heldout", 40, 3))
+    g = torch.Generator().manual_seed(0)
+    prompts += [[tokenizer.bos_id] + torch.randint(3, tokenizer.vocab_size, (int(k),), generator=g).tolist()
+                for k in torch.randint(1, 12, (8,), generator=g)]
+    return tokenizer, target, draft, prompts
+
+
+def _engine(target, draft=None, mode="chain", sampling="coupled", batch=8):
+    spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
+    engine = EmbeddedEngine(target, EngineConfig(max_batch=batch, sampling_mode=sampling), speculator=spec)
+    assert engine.device.type == "cuda"
+    return engine
+
+
+def _check_features(trajs, target):
+    width = 3 * target.cfg.hidden_size
+    for t in trajs:
+        assert t.features.device.type == "cpu" and t.features.dtype == torch.float16
+        assert t.features.shape == (len(t.prompt_ids) + len(t.token_ids) - 1, width)
+        assert torch.isfinite(t.features).all()
+
+
+def _same_rollout(spec, plain):
+    assert [t.token_ids for t in spec] == [t.token_ids for t in plain]
+    assert [t.finish_reason for t in spec] == [t.finish_reason for t in plain]
+    for a, b in zip(spec, plain):
+        assert (a.logprobs - b.logprobs).abs().max().item() <= LOGPROB_TOL
+        assert a.features.shape == b.features.shape
+        assert torch.allclose(a.features.float(), b.features.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_greedy_speculation_gives_plain_tokens_on_cuda(cuda_setup, mode):
+    tokenizer, target, draft, prompts = cuda_setup
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,))
+    plain = _engine(target, batch=16).generate(prompts, params, capture_features=True)
+    engine = _engine(target, draft, mode)
+    spec = engine.generate(prompts, params, capture_features=True)
+    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    _check_features(plain, target)
+    _same_rollout(spec, plain)
+    verify = sum(t.spec.verify_steps for t in spec)
+    assert verify > 0 and sum(t.spec.accepted for t in spec) / verify > 1.0  # the draft is really accepted
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_coupled_speculation_gives_plain_tokens_on_cuda(cuda_setup, mode):
+    tokenizer, target, draft, prompts = cuda_setup
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,),
+                            seed=11)
+    plain = _engine(target, batch=16).generate(prompts, params, capture_features=True)
+    engine = _engine(target, draft, mode)
+    spec = engine.generate(prompts, params, capture_features=True)
+    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    _same_rollout(spec, plain)
+    assert sum(t.spec.accepted for t in spec) > 0
+
+
+@pytest.mark.parametrize("mode", [None, "chain", "tree"])
+def test_rng_sampling_runs_on_cuda(cuda_setup, mode):
+    """The rng stream lives on the GPU: sampling, chain and tree rejection sampling run without
+    a draft fault; the same seed and request ids replay, fresh ids draw fresh samples."""
+    tokenizer, target, draft, prompts = cuda_setup
+    params = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    engine = _engine(target, draft if mode else None, mode or "chain", sampling="rng")
+    n = len(prompts)
+    first = engine.generate(prompts, params, request_ids=range(n), capture_features=True)
+    assert engine.generator.device.type == "cuda"
+    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    _check_features(first, target)
+    for t in first:
+        assert torch.isfinite(t.logprobs).all() and (t.logprobs <= 0).all()
+        assert all(0 <= x < target.cfg.vocab_size for x in t.token_ids)
+    if mode:
+        assert sum(t.spec.verify_steps for t in first) > 0 and sum(t.spec.accepted for t in first) > 0
+    again = engine.generate(prompts, params, request_ids=range(n))
+    later = engine.generate(prompts, params, request_ids=range(n, 2 * n))
+    assert engine.draft_faults == []
+    assert [t.token_ids for t in again] == [t.token_ids for t in first]
+    assert [t.token_ids for t in later] != [t.token_ids for t in first]
