@@ -49,9 +49,13 @@ speed-against-batch sweep is repeated on that preset's SFT policy and offline dr
 (`speedup_vs_batch_deep_target`): the drift policy is small, so that sweep shows what the same
 engine gives at a realistic draft/target cost ratio.
 
-Reproducibility: draft training runs a fixed number of updates per RL step (its time budget
-is set so it never binds), so with one seed every field of summary.json is byte-identical
-across runs on CPU except those listed in its `timing_fields` (wall-clock measurements).
+Reproducibility: the draft's time budget is set so it never binds, so the updates per RL step
+follow the preset's rule alone. With a fixed chain (the CI presets, DRIFT_COTRAIN_FIXED) every
+field of summary.json is byte-identical across runs on CPU with one seed, except those listed in
+its `timing_fields` (wall-clock measurements). The quick and full presets' RL rollouts speculate
+adaptively (specrl.controller, from measured step times) and grant draft updates by the
+acceptance those rollouts measure, so their update counts, and with them the draft, may differ
+between two runs on a machine whose load differs; the tokens do not (speculation is lossless).
 """
 from __future__ import annotations
 

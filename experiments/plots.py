@@ -250,3 +250,38 @@ def drift_plots(out, setup: str | None = None) -> list[Path]:
 
 __all__ = ["drift_plots", "batch_axis", "spread", "load_drift", "read_jsonl", "plot_arms", "plot_reward", "plot_acceptance_heatmap",
            "plot_speedup_vs_batch", "plot_sweep", "speed_plots"]
+
+
+RL_PART_STYLE = {"rollout_full_s": ("rollout, full batch", "tab:blue"), "rollout_tail_s": ("rollout, tail", "tab:cyan"),
+                 "update_s": ("policy update", "tab:orange"), "feature_capture_s": ("feature capture", "tab:pink"),
+                 "draft_train_s": ("draft training + sync", "tab:red"), "score_s": ("reward", "0.6"),
+                 "policy_sync_s": ("policy sync", "tab:purple"), "other_s": ("other", "0.85")}
+
+
+def plot_rl_bench(summary: dict, path: Path) -> Path:
+    """`specrl bench rl`: per engine and arm, the median RL step split into its parts (stacked),
+    with each arm's step-time ratio over `off` above its bar."""
+    engines = summary["engines"]
+    fig, axes = plt.subplots(1, len(engines), figsize=(3 + 1.6 * max(len(s["arms"]) for s in engines.values()), 4.2),
+                             squeeze=False)
+    for ax, (engine, s) in zip(axes[0], engines.items()):
+        names = list(s["arms"])
+        bottom = [0.0] * len(names)
+        for part, (label, color) in RL_PART_STYLE.items():
+            vals = [s["arms"][a].get(part) or 0.0 for a in names]
+            if part == "rollout_full_s" and not any(vals):  # an engine that does not split its rollout
+                vals, label = [s["arms"][a]["rollout_s"] for a in names], "rollout"
+            elif part == "rollout_tail_s" and not any(s["arms"][a].get("rollout_full_s") for a in names):
+                continue
+            ax.bar(names, vals, bottom=bottom, color=color, label=label)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        for i, a in enumerate(names):
+            ax.text(i, bottom[i], f"x{s['arms'][a]['step_speedup']:.2f}", ha="center", va="bottom", fontsize=9)
+        ax.set_ylabel("median seconds per RL step")
+        _title(ax, f"RL step by arm ({engine})", f"preset {summary['preset']}, {summary['steps']} steps, "
+                                                  f"segments of {summary['segment']}")
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)

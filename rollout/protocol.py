@@ -102,7 +102,7 @@ def summarize_spec_stats(stats) -> dict:
         per_pos.append(a / n if n else 0.0)
     return {"accept_length": accept_length(accepted, verify),
             "accept_rate": accepted / drafted if drafted else 0.0,
-            "accept_rate_per_pos": per_pos, "verify_steps": verify}
+            "accept_rate_per_pos": per_pos, "verify_steps": verify, "drafted": drafted}
 
 
 def same_tokens(trajectories, others) -> bool:
@@ -157,9 +157,10 @@ class DraftReceiver(Protocol):
 
     def install_draft(self, draft, spec, controller=None) -> None:
         """Speculate with `draft` (an Eagle3Draft; the engine keeps its own copy) under `spec`
-        (rollout.speculative.SpecConfig) from the next generate() on. `controller` (optional)
-        picks plain or speculative decoding per step where the engine supports it. A draft that
-        does not fit the policy raises ValueError with a one-line message."""
+        (rollout.speculative.SpecConfig) from the next generate() on. `controller` (optional,
+        specrl.controller) picks plain or speculative decoding and the chain length per engine
+        step; only an engine whose class attribute `takes_controller` is True accepts one. A
+        draft that does not fit the policy raises ValueError with a one-line message."""
 
     def push_draft(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Hot swap: fresh draft weights (SGLang names, no embedding) loaded in place. Never

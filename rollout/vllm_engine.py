@@ -26,6 +26,7 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1, which this module sets before vLLM starts).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import tempfile
 import time
@@ -59,10 +60,23 @@ class VLLMEngineConfig:
     enforce_eager: bool = True
     work_dir: str | None = None  # where the HF folders go (default: a temporary folder)
     policy_sync: str = "inplace"  # "inplace": reload in the live worker; "restart": restart vLLM
+    # speculation by batch size: ((first batch, last batch, draft tokens), ...) from batch 1 on, 0 draft
+    # tokens meaning plain decoding at those sizes; vLLM's num_speculative_tokens_per_batch_size, read
+    # by its scheduler at every step. None: the chain at every step. specrl.controller.batch_schedule
+    # makes one from speed-ups measured on vLLM itself.
+    spec_schedule: tuple | None = None
 
     def __post_init__(self) -> None:
         if self.max_batch <= 0 or self.kv_cache_bytes <= 0:
             raise VLLMEngineError("VLLMEngineConfig.max_batch and kv_cache_bytes must be positive")
+        if self.spec_schedule is not None:
+            self.spec_schedule = tuple(tuple(int(x) for x in r) for r in self.spec_schedule)
+            rows, first = self.spec_schedule, 1
+            for r in rows:
+                if len(r) != 3 or r[0] != first or r[1] < r[0] or r[2] < 0:
+                    raise VLLMEngineError(f"VLLMEngineConfig.spec_schedule must be (first, last, draft tokens) ranges "
+                                          f"that follow each other from batch 1, with draft tokens >= 0; got {rows}")
+                first = r[1] + 1
         if self.policy_sync not in ("inplace", "restart"):
             raise VLLMEngineError(f"VLLMEngineConfig.policy_sync must be 'inplace' or 'restart', got {self.policy_sync!r}")
 
@@ -277,9 +291,11 @@ class VLLMEngine:
         kw = {}
         if self.draft is not None:
             folder = save_draft(self.draft, self.work_dir / "draft")
-            kw = dict(speculative_config={"method": "eagle3", "model": str(folder),
-                                          "num_speculative_tokens": self.spec.gamma},
-                      per_request_spec_decode_metrics="detailed")
+            spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": self.spec.gamma}
+            if self.config.spec_schedule is not None:
+                spec["num_speculative_tokens_per_batch_size"] = [
+                    [lo, hi, min(k, self.spec.gamma)] for lo, hi, k in self.config.spec_schedule]
+            kw = dict(speculative_config=spec, per_request_spec_decode_metrics="detailed")
         self._llm = self.vllm.LLM(
             model=str(self.policy_dir), skip_tokenizer_init=True, dtype=self.config.dtype, max_model_len=self.max_len,
             max_num_seqs=self.config.max_batch, enforce_eager=self.config.enforce_eager, seed=0,
@@ -287,6 +303,12 @@ class VLLMEngine:
             kv_cache_memory_bytes=self.config.kv_cache_bytes, **kw)
         if self.draft is not None:
             self.sampler_mend = self._llm.collective_rpc(_mend_cpu_expand_in_worker)[0]
+
+    def set_spec_schedule(self, schedule) -> None:
+        """Speculate by batch size (VLLMEngineConfig.spec_schedule) from the next call on: vLLM
+        reads it when it starts, so a live engine restarts at its next use."""
+        self.config = dataclasses.replace(self.config, spec_schedule=schedule)
+        self.shutdown()
 
     def runs_in_place(self, module) -> bool:
         return False  # the engine holds its own copy of the policy: every update is synced

@@ -31,6 +31,7 @@ COMMANDS = {
     "bench profile": "experiments.bench.profile:bench_profile",
     "bench overlap": "experiments.bench.overlap:bench_overlap",
     "bench overlap --phases": "experiments.bench.overlap:bench_overlap_phases",
+    "bench rl": "experiments.bench.rl:bench_rl",
 }
 DRIFT_PRESETS = "experiments.drift:DRIFT_PRESETS"
 
@@ -131,6 +132,14 @@ def _seed(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--seed ") if str(e).startswith("--seed")
                                          else f"must be an integer, got {text!r}") from None
     return v
+
+
+def _arm_list(text: str) -> list[str]:
+    """Comma-separated names (bench rl checks each against its arms before any work)."""
+    return [a.strip() for a in text.split(",") if a.strip()]
+
+
+_arm_list.bounds = "comma-separated"
 
 
 def _add_common(p: argparse.ArgumentParser, presets, default: str = "quick") -> None:
@@ -244,6 +253,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: a rollout alone, with draft updates in line, and with them overlapped, per batch size")
     o.add_argument("--batches", type=batches, default="1,4,16,64", help="(--phases) rollout batch sizes")
     o.add_argument("--updates", type=_int_in(1), default=2, help="(--phases) draft updates per rollout")
+    r = bsub.add_parser("rl", help="the whole RL step with speculation off, frozen and online, arms taking turns "
+                                   "in segments of steps; split into rollout, update, co-training and the rest", **kw)
+    _add_common(r, rl)
+    r.add_argument("--engine", default="embedded", choices=["embedded", "vllm"], help="rollout engine")
+    r.add_argument("--arms", type=_arm_list, default="off,frozen,online",
+                   help="comma-separated arms: off, frozen, online, frozen-fixed and online-fixed (the preset's "
+                        "chain at every step, no adaptive controller), off-b (a second off run: the noise floor)")
+    r.add_argument("--steps", type=_int_in(1, MAX_RL_STEPS), default=20, help="RL steps per arm")
+    r.add_argument("--segment", type=_int_in(1), default=5, help="consecutive RL steps per arm before the next arm's turn")
+    r.add_argument("--warmup", type=_int_in(0), default=1, help="first steps left out of the medians")
+    r.add_argument("--vllm-schedule", action="store_true",
+                   help="(--engine vllm) speculate by batch size, from speed-ups measured on vLLM first "
+                        "(default: the preset's chain at every step)")
     parser.bench_parser = p  # `specrl bench` alone lists its benchmarks
     return parser
 
@@ -310,6 +332,9 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
         return pos, {**common, "batches": args.batches, "updates": args.updates}
     if key == "bench overlap":
         return pos, {**common, "steps": args.timed_steps, "warmup": args.warmup, "block": args.block}
+    if key == "bench rl":
+        return pos, {**common, "engine": args.engine, "arms": args.arms, "steps": args.steps,
+                     "segment": args.segment, "warmup": args.warmup, "vllm_schedule": args.vllm_schedule}
     raise ValueError(f"unknown command {key!r}")
 
 

@@ -29,6 +29,7 @@ rotating, so exploration costs at most 1 / explore_every of the steps.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import asdict
 
 from specrl.config import ControllerConfig
@@ -298,3 +299,24 @@ class SpeculationController:
         for k, s in state["buckets"].items():
             self.buckets[int(k)].load(s)
         self._step_gamma = None
+
+
+def batch_schedule(speedups: dict[int, float], gamma: int, max_batch: int, margin: float = 1.05) -> list[tuple]:
+    """A speculation schedule by batch size for an engine that takes one (vLLM's
+    num_speculative_tokens_per_batch_size), from the speed-ups of chains of `gamma` over plain
+    decoding measured on that engine at a few batch sizes: chains where the measured speed-up is
+    at least `margin`, plain decoding (0 draft tokens) elsewhere. A batch size between two
+    measured ones follows the nearer on a log scale. Returns ((first, last, draft tokens), ...)
+    covering 1..max_batch, neighbouring ranges with the same setting merged."""
+    if not speedups or max_batch < 1:
+        raise ValueError("batch_schedule needs measured speed-ups and max_batch >= 1")
+    measured = sorted(speedups)
+    rows: list[list[int]] = []
+    for b in range(1, max_batch + 1):
+        near = min(measured, key=lambda m: (abs(math.log(b) - math.log(m)), m))
+        k = gamma if speedups[near] >= margin else 0
+        if rows and rows[-1][2] == k:
+            rows[-1][1] = b
+        else:
+            rows.append([b, b, k])
+    return [tuple(r) for r in rows]

@@ -30,7 +30,7 @@ import torch
 from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
 from specrl.config import CoTrainConfig
-from specrl.controller import SpeculationController
+from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
 from specrl.draft_budget import DraftBudget
 from specrl.online_trainer import OnlineDraftTrainer, check_draft_weights
 from specrl.overlap import OverlappedBursts
@@ -53,6 +53,7 @@ class SpecCoTrainer:
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
         self._capture_s0 = 0.0
+        self._overlap = None  # the overlapped-burst runner (online mode, SchedulerConfig.mode "overlap")
         if cfg.mode == "off":
             return
         # the engine speculates with its own copy; the trainer's copy is pushed when it improves
@@ -83,6 +84,10 @@ class SpecCoTrainer:
             return self
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
+        if self.controller is not None and not getattr(engine, "takes_controller", False):
+            warnings.warn(f"{type(engine).__name__} takes no per-step controller: CoTrainConfig.adaptive is not "
+                          f"used (on vLLM, speculate by batch size with VLLMEngineConfig.spec_schedule)", RuntimeWarning)
+            self.controller = None
         engine.install_draft(self.draft, self.config.spec, controller=self.controller)
         if self.draft_trainer is None:
             return self
@@ -149,7 +154,15 @@ class SpecCoTrainer:
             "rollout/spec_faults_total": len(self.engine.draft_faults),
         }
         self._faults_seen = len(self.engine.draft_faults)
-        self.budget.observe(agg["accept_length"], agg["verify_steps"] > 0)
+        signal = agg["accept_length"]
+        if self.controller is not None and agg["verify_steps"] > 0:
+            # the controller picks the chain length per step, and a shorter chain emits fewer
+            # tokens per verify however good the draft: the budget reads acceptance at the
+            # configured chain instead, E(alpha, gamma) with alpha the per-token acceptance
+            alpha = alpha_from_ratio(agg["accept_rate"], agg["drafted"] / agg["verify_steps"])
+            signal = expected_accept_length(alpha, self.config.spec.gamma)
+            self._rollout_metrics["rollout/spec_accept_length_at_gamma"] = signal
+        self.budget.observe(signal, agg["verify_steps"] > 0)
         self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
                                       "rollout/spec_collapse_alarms": self.budget.alarms})
         if self.capture_engine_features:

@@ -5,7 +5,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from rollout.speculative import SpecConfig
-from specrl.config import CoTrainConfig, DraftBudgetConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
+from specrl.config import CoTrainConfig, ControllerConfig, DraftBudgetConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
 from target_training.config import require_positive
 from target_training.grpo import GRPOConfig
 from target_training.sft import SFTConfig
@@ -16,6 +16,14 @@ class PresetError(ValueError):
 
 
 MAX_RL_STEPS = 1_000_000  # more is a typo, not a run: refused before anything is trained
+
+
+def adaptive_spec(spec: SpecConfig) -> dict:
+    """The CoTrainConfig fields that speculate adaptively (specrl.controller) up to `spec`'s chain:
+    per batch size, plain decoding where a verify step costs more than the tokens it saves (the
+    RL rollout's full batch on a CPU), chains of 1..spec.gamma where they pay (its long tail),
+    chosen from the engine's own measured step times and the draft's measured acceptance."""
+    return {"spec": spec, "adaptive": True, "controller": ControllerConfig(gammas=tuple(range(1, spec.gamma + 1)))}
 
 
 @dataclass
@@ -35,7 +43,7 @@ class RunPreset:
     task_kwargs: dict = field(default_factory=dict)
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     # speculation and online draft training for --spec frozen|online (mode and seed are set per run)
-    cotrain: CoTrainConfig = field(default_factory=lambda: CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4)))
+    cotrain: CoTrainConfig = field(default_factory=lambda: CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4))))
 
     def __post_init__(self) -> None:
         require_positive(self, ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
@@ -67,7 +75,8 @@ class RunPreset:
 # `draft_added_fraction` in the drift summary (README).
 # Chains of 6 drafts: as fast as 5 for a fresh draft on the 2-core CPU (x1.21 vs x1.22), and the
 # positions a stale draft wastes show in the speed-up.
-DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_source="trainer", max_draft_steps=10,
+DRIFT_COTRAIN = CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6)), feature_source="trainer",
+                              max_draft_steps=10,
                               recent_versions=2, online=OnlineDraftConfig(lr=2e-3, batch_size=24),
                               scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
                                                         draft_steps=DraftBudgetConfig(rule="acceptance", base_steps=2,
@@ -75,12 +84,15 @@ DRIFT_COTRAIN = CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6), feature_so
 # A scheduler whose count of updates alone decides: the time budget is left wide (min_budget_s), so
 # a busy spell of the machine cannot cut an update and two runs with one seed train alike.
 COUNTED_SCHEDULER = SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",))
-# The same with one update of 12 sequences per RL step at lr 1e-3, a count that never varies: the CI-sized drift
-# runs (reproducible) and `specrl bench overlap` (the cost of one update, in both scheduler modes). Before
-# it took COUNTED_SCHEDULER its budget was the RL step's own time, and a clean-clone CI run, with the lane
-# installs beside it, trained a different number of updates in two same-seed drift runs.
+# The same with one update of 12 sequences per RL step at lr 1e-3, a count that never varies, and the chain
+# at every engine step: the CI-sized drift runs (reproducible) and `specrl bench overlap` (the cost of one
+# update, in both scheduler modes). Before it took COUNTED_SCHEDULER its budget was the RL step's own time,
+# and a clean-clone CI run, with the lane installs beside it, trained a different number of updates in two
+# same-seed drift runs. The adaptive controller is off here for the same reason: it decides from measured
+# step times, so the rollout steps that speculate, and the acceptance an acceptance-driven budget reads from
+# them, follow the machine's load (the tokens do not: speculation is lossless either way).
 DRIFT_COTRAIN_FIXED = dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, online=OnlineDraftConfig(lr=1e-3, batch_size=12),
-                                          scheduler=COUNTED_SCHEDULER)
+                                          scheduler=COUNTED_SCHEDULER, adaptive=False)
 
 def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     """Co-training that makes exactly `updates_per_step` draft updates per RL step (once the buffer
@@ -90,12 +102,25 @@ def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     its resume, train different numbers of steps. The time budget is left wide (min_budget_s) so
     the count alone decides; the drift experiment measures what such updates cost (about 5% per
     update of the RL step of the `quick` model on the 2-core CPU)."""
-    return CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), max_draft_steps=updates_per_step,
+    return CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4)), max_draft_steps=updates_per_step,
                          scheduler=COUNTED_SCHEDULER)
 
 
-# Draft updates per RL step with --spec online: ci 2, quick 1, full 1, drift 0-6 (DRIFT_COTRAIN).
-DRAFT_UPDATES_PER_STEP = {"ci": 2, "quick": 1, "full": 1, "drift": 1}
+def acceptance_cotrain(most_per_step: int) -> CoTrainConfig:
+    """Co-training that buys draft updates where acceptance asks for them (specrl/draft_budget.py,
+    rule "acceptance"): one per RL step while the rollouts' accept length holds but is not yet
+    steady, up to `most_per_step` while it falls, none once it has held for 3 steps. Drops of
+    less than 5% count as the noise of one rollout of 128 samples. The count follows acceptance
+    only (the time budget is left wide), so a draft in step with the policy costs nothing but
+    its feature capture."""
+    return CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4)), max_draft_steps=most_per_step,
+                         scheduler=dataclasses.replace(COUNTED_SCHEDULER, draft_steps=DraftBudgetConfig(
+                             rule="acceptance", base_steps=1, tolerance=0.05)))
+
+
+# Draft updates per RL step with --spec online: ci 2, full 1 (fixed counts), quick 0-2 (acceptance_cotrain),
+# drift 0-10 (DRIFT_COTRAIN).
+DRAFT_UPDATES_PER_STEP = {"ci": 2, "quick": 2, "full": 1, "drift": 1}
 
 RL_PRESETS: dict[str, RunPreset] = {
     # CI-sized: seconds. Used by the tests.
@@ -114,7 +139,7 @@ RL_PRESETS: dict[str, RunPreset] = {
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
-                       cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["quick"])),
+                       cotrain=acceptance_cotrain(DRAFT_UPDATES_PER_STEP["quick"])),
     # Policy drift on purpose (docs/design.md section 1b): the rare "cols" worked-step style is 5% of the SFT data,
     # so the starting draft (trained on the SFT policy's samples) has seen little of it; a reward
     # bonus for that format moves the policy there during RL, and the later steps sharpen it.
@@ -135,7 +160,7 @@ RL_PRESETS: dict[str, RunPreset] = {
                        grpo=GRPOConfig(lr=3e-5), rl_steps=60, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
                        draft=DraftTrainConfig(steps=2400, lr=2e-3),
-                       cotrain=CoTrainConfig(spec=SpecConfig(mode="chain", gamma=6))),
+                       cotrain=CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6)))),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
                       max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64,

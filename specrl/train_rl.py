@@ -43,24 +43,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     bar = tqdm(range(start_step, preset.rl_steps), desc="grpo", disable=not progress, initial=start_step,
                total=preset.rl_steps)
     for step in bar:
-        t0 = time.perf_counter()
-        cotrain.begin_step()
-        examples = step_examples(task, run.pool, preset, seed, step)
-        ids = [step * len(examples) + i for i in range(len(examples))]
-        trajs = rollout.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed),
-                                 request_ids=ids, capture_features=cotrain.capture_engine_features)
-        gen = dict(rollout.last_stats)
-        cotrain.on_rollout(trajs)
-        rewards = score(task, tokenizer, examples, trajs)
-        metrics = trainer.step(trajs, rewards, preset.group_size)
-        sync_s = sync_policy(rollout, policy)
-        if sync_s is not None:
-            metrics["perf/policy_sync_s"] = sync_s
-        cotrain.on_policy_update()
-        cotrain.train_draft()
-        row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], "rollout_s": gen["wall_s"],
-               **cotrain.end_step(), "step_s": time.perf_counter() - t0}
-        append_row(run.out / METRICS_FILE, row)
+        row = rl_step(run, step)
         bar.set_postfix(reward=f"{row['reward']:.2f}", len=f"{row['response_len']:.0f}")
         if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.rl_steps:
             save_state(run.out, policy, trainer, cotrain, eval_start)
@@ -80,6 +63,54 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     log(f"[rl] held-out reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f} "
         f"({summary['wall_s']:.0f}s)")
     return summary
+
+
+def rl_step(run: RLRun, step: int) -> dict:
+    """One GRPO step of `run`: rollout, reward, policy update, policy sync, draft co-training;
+    appends the step's row to metrics.jsonl and returns it. The row splits the step's wall time
+    (`step_s`) into its parts, in seconds: `rollout_s` (generate's wall time less the draft
+    training the tail window ran inside it; of which `perf/rollout_full_s` at the full batch and
+    `perf/rollout_tail_s` in the long tail, where the engine reports them),
+    `perf/score_s`, `perf/update_s` (the policy update, feature capture excluded),
+    `perf/feature_capture_s`, `perf/draft_train_s` (draft updates with their weight sync),
+    `perf/policy_sync_s`; `perf/other_s` is what is left."""
+    preset, tokenizer, rollout, cotrain = run.preset, run.tokenizer, run.engine, run.cotrain
+    t0 = time.perf_counter()
+    cotrain.begin_step()
+    examples = step_examples(run.task, run.pool, preset, run.seed, step)
+    ids = [step * len(examples) + i for i in range(len(examples))]
+    trajs = rollout.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, run.seed),
+                             request_ids=ids, capture_features=cotrain.capture_engine_features)
+    gen = dict(rollout.last_stats)
+    cotrain.on_rollout(trajs)
+    t1 = time.perf_counter()
+    rewards = score(run.task, tokenizer, examples, trajs)
+    t2 = time.perf_counter()
+    metrics = run.trainer.step(trajs, rewards, preset.group_size)
+    t3 = time.perf_counter()
+    sync_s = sync_policy(rollout, run.policy)
+    cotrain.on_policy_update()
+    cotrain.train_draft()
+    row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], **cotrain.end_step(),
+           "step_s": time.perf_counter() - t0}
+    # draft updates in the scheduler's "tail" window ran inside generate(), those in its
+    # "interleaved" window inside the policy update: each part is counted once, as draft training
+    row["rollout_s"] = gen["wall_s"] - row.get("perf/draft_train_tail_s", 0.0)
+    parts = {"perf/score_s": t2 - t1, "perf/policy_sync_s": sync_s or 0.0,
+             "perf/feature_capture_s": row.get("perf/feature_capture_s", 0.0),
+             "perf/draft_train_s": row.get("perf/draft_train_s", 0.0)}
+    parts["perf/update_s"] = ((t3 - t2) - parts["perf/feature_capture_s"]
+                              - row.get("perf/draft_train_interleaved_s", 0.0))
+    if "full_batch_s" in gen:
+        parts["perf/rollout_full_s"], parts["perf/rollout_tail_s"] = gen["full_batch_s"], gen["tail_s"]
+    if "spec_steps" in gen:
+        parts["rollout/engine_steps"], parts["rollout/spec_steps"] = gen["engine_steps"], gen["spec_steps"]
+    row.update(parts)
+    row["perf/other_s"] = row["step_s"] - row["rollout_s"] - sum(
+        parts[k] for k in ("perf/score_s", "perf/policy_sync_s", "perf/feature_capture_s", "perf/draft_train_s",
+                           "perf/update_s"))
+    append_row(run.out / METRICS_FILE, row)
+    return row
 
 
 @dataclass
@@ -117,10 +148,11 @@ class RLCallback:
 
 def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int, resume: bool,
               steps: int | None, cache_dir: Path | None, progress: bool, spec: str, engine: str,
-              log=print) -> tuple[RLRun, int, dict]:
+              log=print, evaluate_start: bool = True) -> tuple[RLRun, int, dict | None]:
     """Check the settings, open the run folder, build task, policy, engine, trainer and
     co-trainer, resume from the checkpoint where asked, and evaluate the starting policy
-    (unless the checkpoint holds that evaluation): (run, first step, start evaluation)."""
+    (unless the checkpoint holds that evaluation, or `evaluate_start` is off: then None):
+    (run, first step, start evaluation)."""
     if isinstance(preset_name, RunPreset):  # experiments pass a tuned preset directly
         preset, preset_name = preset_name, "custom"
     else:
@@ -149,9 +181,11 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     if resume:
         start_step, eval_start = restore_state(out, policy, trainer, cotrain,
                                                on_policy_loaded=lambda: sync_policy(rollout, policy), log=log)
-    if eval_start is None:
+    if eval_start is None and evaluate_start:
         eval_start = evaluate(rollout, task, tokenizer, heldout, preset, seed)
-    log(f"[rl] held-out reward at start: {eval_start['reward']:.3f} (greedy accuracy {eval_start['greedy_accuracy']:.3f})")
+    if eval_start is not None:
+        log(f"[rl] held-out reward at start: {eval_start['reward']:.3f} "
+            f"(greedy accuracy {eval_start['greedy_accuracy']:.3f})")
     run = RLRun(preset, seed, out, cache_dir, tokenizer, task, policy, rollout, trainer, cotrain,
                 preset_name=preset_name, heldout=heldout, pool=pool, sft_info=sft_info)
     return run, start_step, eval_start
@@ -166,4 +200,4 @@ def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed:
     return SpecCoTrainer(draft, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
 
 
-__all__ = ["train_rl", "RLRun", "RLCallback"]
+__all__ = ["train_rl", "rl_step", "RLRun", "RLCallback"]

@@ -230,3 +230,26 @@ def test_step_time_filter_state_roundtrip_and_old_states():
     old = SpeculationController()
     old.load_state_dict(state)
     assert old.summary()["buckets"][2]["gamma"] == ctrl.summary()["buckets"][2]["gamma"]
+
+
+def test_batch_schedule_from_measured_speedups():
+    """Chains where the measured speed-up beats the margin, plain elsewhere; a batch size between
+    two measured ones follows the nearer on a log scale; ranges cover 1..max_batch."""
+    from specrl.controller import batch_schedule
+
+    assert batch_schedule({1: 1.5, 4: 1.4, 16: 1.2, 64: 0.9}, 4, 64) == [(1, 31, 4), (32, 64, 0)]
+    assert batch_schedule({1: 1.5, 4: 1.4, 16: 1.02, 64: 0.9}, 4, 64) == [(1, 8, 4), (9, 64, 0)]
+    assert batch_schedule({1: 0.9, 16: 1.3}, 3, 16) == [(1, 4, 0), (5, 16, 3)]  # 4: a tie, the smaller wins
+    assert batch_schedule({8: 2.0}, 6, 8) == [(1, 8, 6)]
+    with pytest.raises(ValueError):
+        batch_schedule({}, 4, 64)
+
+
+def test_vllm_schedule_config_is_checked():
+    """VLLMEngineConfig.spec_schedule: consecutive ranges from batch 1 (no vLLM needed to check)."""
+    from rollout.vllm_engine import VLLMEngineConfig, VLLMEngineError
+
+    assert VLLMEngineConfig(spec_schedule=[[1, 8, 4], [9, 64, 0]]).spec_schedule == ((1, 8, 4), (9, 64, 0))
+    for bad in (((2, 8, 4),), ((1, 8, 4), (10, 64, 0)), ((1, 8, -1),), ((1, 8),), ((1, 0, 4),)):
+        with pytest.raises(VLLMEngineError, match="spec_schedule"):
+            VLLMEngineConfig(spec_schedule=bad)

@@ -229,18 +229,57 @@ def test_pushed_weights_are_checked_before_use(sft_policy, offline_draft, monkey
     assert cot.speculator.version == cot.draft_trainer.version
 
 
-def test_quick_presets_cotraining_updates_the_draft_every_step(sft_policy, tmp_path):
-    """The `quick` preset's co-training settings (on the CI model, for speed): the draft gets
-    DRAFT_UPDATES_PER_STEP["quick"] updates in every RL step (with the old 5% time budget it got
-    almost none)."""
+def test_quick_presets_cotraining_runs_every_update_acceptance_grants(sft_policy, tmp_path):
+    """The `quick` preset's co-training settings (on the CI model, for speed): one update in the
+    first step, never more than DRAFT_UPDATES_PER_STEP["quick"], and every update the
+    acceptance-driven budget grants runs (the time budget never cuts one: with the old 5% budget
+    the draft got almost none)."""
     import dataclasses
 
     from specrl.presets import DRAFT_UPDATES_PER_STEP, get_preset
 
     preset = dataclasses.replace(get_preset("ci"), cotrain=get_preset("quick").cotrain)
+    assert preset.cotrain.scheduler.draft_steps.rule == "acceptance"
     train_rl("arith", preset, tmp_path / "r", seed=3, steps=4, cache_dir=sft_policy[3], progress=False,
              spec="online", log=lambda *a: None)
     rows = _rows(tmp_path / "r")
     n = DRAFT_UPDATES_PER_STEP["quick"]
-    assert n >= 1 and [r["train/draft_steps"] for r in rows] == [n] * 4
-    assert [r["train/draft_version"] for r in rows] == [n * (i + 1) for i in range(4)]
+    steps = [r["train/draft_steps"] for r in rows]
+    assert steps[0] == 1 and all(0 <= k <= n for k in steps)
+    assert steps == [r["sched/draft_steps_budget"] for r in rows]
+    versions = [r["train/draft_version"] for r in rows]
+    assert versions == [sum(steps[:i + 1]) for i in range(4)]
+
+
+def test_adaptive_budget_reads_acceptance_at_the_configured_chain(tiny_model):
+    """Under the adaptive controller a rollout that speculated with short chains emits fewer
+    tokens per verify step with the same draft: the acceptance-driven budget must not read that
+    as a falling draft. With per-token acceptance a = 0.8, chains of 2 and of 6 give the same signal,
+    E(a, gamma) at the configured gamma; without the controller the raw accept length is read."""
+    from types import SimpleNamespace
+
+    from rollout.protocol import SpecStats
+    from rollout.speculative import SpecConfig
+    from specrl.config import CoTrainConfig, DraftBudgetConfig, DraftTrainConfig, SchedulerConfig
+    from specrl.controller import expected_accept_length
+    from specrl.cotrain import SpecCoTrainer
+    from specrl.drafts import new_draft
+    from rollout.engine import EmbeddedEngine
+
+    def rollout(gamma: int, a: float = 0.8, steps: int = 4096):
+        # expected counts of a chain with iid acceptance a: accepted drafts E(a, g) - 1 per verify step
+        acc = (expected_accept_length(a, gamma) - 1.0) * steps
+        return [SimpleNamespace(spec=SpecStats(verify_steps=steps, drafted=gamma * steps, accepted=round(acc)))]
+
+    draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
+    signals = {}
+    for adaptive in (True, False):
+        cfg = CoTrainConfig(mode="frozen", spec=SpecConfig(gamma=6), adaptive=adaptive,
+                            scheduler=SchedulerConfig(draft_steps=DraftBudgetConfig(rule="acceptance")))
+        for gamma in (2, 6):
+            cot = SpecCoTrainer(draft, cfg).attach(EmbeddedEngine(tiny_model))
+            cot.on_rollout(rollout(gamma))
+            signals[adaptive, gamma] = cot.budget.last
+    assert signals[True, 2] == pytest.approx(signals[True, 6], rel=1e-3)
+    assert signals[True, 6] == pytest.approx(expected_accept_length(0.8, 6), rel=1e-3)
+    assert signals[False, 2] < 0.7 * signals[False, 6]  # the raw accept length follows the chain length

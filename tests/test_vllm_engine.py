@@ -111,6 +111,29 @@ def test_greedy_speculation_is_lossless_on_200_prompts(setup, plain, spec, batch
         assert len(t.token_ids) <= 1 + t.spec.accepted + t.spec.verify_steps
 
 
+def test_speculation_by_batch_size_follows_the_schedule(setup, plain, spec):
+    """VLLMEngineConfig.spec_schedule reaches vLLM's scheduler: chains only while at most 2
+    requests run, so a batch of 16 drafts a few tokens in its tail where the unscheduled engine
+    drafts at every step, while one request alone speculates in full; tokens stay plain vLLM's."""
+    sched = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16, spec_schedule=((1, 2, GAMMA), (3, 16, 0))),
+                       draft=setup[3], spec=SpecConfig(gamma=GAMMA))
+    try:
+        prompts = _prompts(setup, 16, seed=5)
+        ref = plain.generate(prompts, _greedy(setup))
+        got = sched.generate(prompts, _greedy(setup))
+        every = spec.generate(prompts, _greedy(setup))
+        assert [t.token_ids for t in got] == [t.token_ids for t in ref] == [t.token_ids for t in every]
+        tokens = sum(len(t.token_ids) for t in ref)
+        drafted, drafted_every = (sum(t.spec.drafted for t in x) for x in (got, every))
+        alone = summarize_spec_stats(t.spec for t in sched.generate(prompts[:1], _greedy(setup)))
+        print(f"drafted tokens at batch 16: scheduled {drafted}, every step {drafted_every} ({tokens} emitted); "
+              f"one request alone: accept length {alone['accept_length']:.3f}")
+        assert drafted_every > tokens and drafted < 0.5 * tokens
+        assert alone["accept_length"] > 1.5
+    finally:
+        sched.shutdown()
+
+
 def test_vllm_reads_the_exported_tap_layers(setup, spec):
     """The draft gets the same hidden states in vLLM as in specrl's engine: same acceptance.
     (vLLM's own reader of the folder, then the acceptance the two engines measure.)"""

