@@ -369,13 +369,20 @@ def test_ctrl_c_is_one_line_and_says_how_to_resume(tmp_path, cache):
     out = tmp_path / "run"
     argv = ["train-rl", "--preset", "ci", "--steps", "1000", "--out", str(out), "--cache-dir", str(cache),
             "--no-progress"]
+    # a shell without job control starts background jobs with SIGINT ignored, and Python keeps an
+    # ignored SIGINT ignored: restore the default so the run sees Ctrl-C however the suite was started
     proc = subprocess.Popen([sys.executable, "-m", "specrl", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    deadline = time.time() + 300
-    while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        deadline = time.time() + 300
+        while not (out / "metrics.jsonl").exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # never leave a 1000-step run behind
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 130, err
     assert err.strip().splitlines() == [f"specrl: interrupted; continue with: specrl {' '.join(argv)} --resume"]
 
