@@ -272,7 +272,7 @@ class EmbeddedEngine:
                     lengths = [s.n_cached for s in act_states]  # to roll back to after a fault (host values)
                     try:
                         result = self._spec_step(run, active, act_states, prefill)
-                        spec.observe(len(active), time.perf_counter() - t_step, result)
+                        spec.observe(len(active), time.perf_counter() - t_step, result, fused=prefill is not None)
                         kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
                         cache.rollback(torch.tensor(active), torch.tensor(lengths))
@@ -286,7 +286,7 @@ class EmbeddedEngine:
                         prof.begin("plain", len(active), prefill is not None)
                     self._decode_step(run, active, act_states, prefill)
                     if spec is not None:
-                        spec.observe(len(active), time.perf_counter() - t_step, None)
+                        spec.observe(len(active), time.perf_counter() - t_step, None, fused=prefill is not None)
                     if prof is not None:
                         prof.end()
                 steps += 1
@@ -300,7 +300,8 @@ class EmbeddedEngine:
         n_tokens = sum(len(s.tokens) for s in states)
         self.last_stats = {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / max(wall, 1e-9),
                            "engine_steps": steps, "spec_steps": spec_steps, "full_batch_s": phase_s["full"],
-                           "tail_s": phase_s["tail"], "spec_faults": int(spec is not None and spec.faulted)}
+                           "tail_s": phase_s["tail"], "spec_faults": int(spec is not None and spec.faulted),
+                           "spec_saved_s": spec.saved_s if spec is not None else None}
         return [self._to_trajectory(s, capture_features) for s in states]
 
     # -- internals ------------------------------------------------------------------------

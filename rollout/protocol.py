@@ -131,7 +131,8 @@ class Trajectory:
 @runtime_checkable
 class RolloutEngine(Protocol):
     # Figures of the last generate() call: "wall_s", "tokens", "tokens_per_s" from every engine;
-    # "engine_steps" and "spec_faults" (draft faults absorbed in the call) where the engine counts them.
+    # "engine_steps" and "spec_faults" (draft faults absorbed in the call) where the engine counts them;
+    # "spec_saved_s" (seconds speculation saved, estimated from measured plain steps) where it estimates it.
     last_stats: dict
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,

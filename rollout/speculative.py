@@ -119,6 +119,9 @@ class SpecSession:
         self.spec, self.cfg, self.proposer = spec, spec.config, proposer
         self.faulted = False
         self.target_error: Exception | None = None  # set by the engine when the target's verify forward fails
+        # estimated seconds speculation saved in this call (controller only): per speculative step,
+        # its tokens per sequence at the measured seconds of a plain step of that batch size, minus its time
+        self.saved_s: float | None = 0.0 if spec.controller is not None else None
 
     def should_speculate(self, n_active: int) -> bool:
         if not self.spec.enabled or self.faulted:
@@ -137,16 +140,24 @@ class SpecSession:
         ctrl = self.spec.controller
         return ctrl.gamma_for_step() if ctrl is not None else self.cfg.gamma
 
-    def observe(self, n_active: int, seconds: float, result: dict | None) -> None:
-        """Feed the step's measured time and acceptance to the controller, if any."""
+    def observe(self, n_active: int, seconds: float, result: dict | None, fused: bool = False) -> None:
+        """Feed the step's measured time and acceptance to the controller, if any. A step that
+        carried new requests' prefill (`fused`) took longer than its decoding alone, whichever
+        arm it played: its time is left out (its acceptance is kept)."""
         ctrl = self.spec.controller
         if ctrl is None:
             return
+        if fused:
+            seconds = None
         if result is None:
-            ctrl.observe_plain(n_active, seconds)
-        else:
-            ctrl.observe_spec(n_active, result["gamma"], seconds, result["tokens_per_seq"], result["accepted"],
-                              result["drafted"])
+            if seconds is not None:
+                ctrl.observe_plain(n_active, seconds)
+            return
+        plain = ctrl.plain_seconds(n_active)
+        if plain is not None and seconds is not None:
+            self.saved_s += result["tokens_per_seq"] * plain - seconds
+        ctrl.observe_spec(n_active, result["gamma"], seconds, result["tokens_per_seq"], result["accepted"],
+                          result["drafted"])
 
     def on_fault(self, err: Exception) -> None:
         """A draft-side failure: plain decoding for the rest of this generate() call; the next

@@ -258,8 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(r, rl)
     r.add_argument("--engine", default="embedded", choices=["embedded", "vllm"], help="rollout engine")
     r.add_argument("--arms", type=_arm_list, default="off,frozen,online",
-                   help="comma-separated arms: off, frozen, online, frozen-fixed and online-fixed (the preset's "
-                        "chain at every step, no adaptive controller), off-b (a second off run: the noise floor)")
+                   help="comma-separated arms: off, frozen, online, online-unpriced (draft updates not priced by "
+                        "the rollout time speculation saves), frozen-fixed and online-fixed (the preset's chain at "
+                        "every step, no adaptive controller), off-b (a second off run: the noise floor)")
     r.add_argument("--steps", type=_int_in(1, MAX_RL_STEPS), default=20, help="RL steps per arm")
     r.add_argument("--segment", type=_int_in(1), default=5, help="consecutive RL steps per arm before the next arm's turn")
     r.add_argument("--warmup", type=_int_in(0), default=1, help="first steps left out of the medians")

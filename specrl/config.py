@@ -144,6 +144,12 @@ class DraftBudgetConfig:
     """Per step, the running best moves this fraction of the way to the EMA."""
     idle_after: int = 3
     """Steady steps in a row before dropping to min_steps."""
+    saving_share: float | None = None
+    """Price draft updates by what speculation saves: draft training may spend at most this
+    share of the rollout seconds that speculation saves at its best (the engine's estimate,
+    `last_stats["spec_saved_s"]`), kept as a running credit (specrl.draft_budget). None: the
+    count rule alone decides. Needs an engine that estimates its saving (the embedded engine
+    under the adaptive controller); elsewhere the count rule alone decides."""
     collapse_accept_length: float = 1.05
     """An accept length at or below this with speculation on counts as a collapse."""
     collapse_patience: int = 2
@@ -163,6 +169,9 @@ class DraftBudgetConfig:
             raise ValueError(f"DraftBudgetConfig.ema must be in (0, 1], got {self.ema}")
         if not 0.0 <= self.best_forget <= 1.0:
             raise ValueError(f"DraftBudgetConfig.best_forget must be in [0, 1], got {self.best_forget}")
+        if self.saving_share is not None and not (isinstance(self.saving_share, (int, float)) and
+                                                  0.0 < self.saving_share <= 1.0):
+            raise ValueError(f"DraftBudgetConfig.saving_share must be None or in (0, 1], got {self.saving_share!r}")
         if self.collapse_accept_length < 1.0:
             raise ValueError(f"DraftBudgetConfig.collapse_accept_length must be >= 1, got {self.collapse_accept_length}")
         if self.collapse_patience < 1:

@@ -202,18 +202,25 @@ class SpeculationController:
             return others[(b.rotate - 1) % len(others)]
         return best
 
+    def plain_seconds(self, n_active: int) -> float | None:
+        """Measured seconds of a plain engine step at this batch size (its bucket's EMA), or None."""
+        b = self.buckets[self.bucket_of(n_active)]
+        return b.plain.value if b.plain.n else None
+
     def observe_plain(self, n_active: int, seconds: float) -> None:
         self.buckets[self.bucket_of(n_active)].plain.update(seconds, self.config.ema)
 
-    def observe_spec(self, n_active: int, gamma: int, seconds: float, tokens_emitted_per_seq: float,
+    def observe_spec(self, n_active: int, gamma: int, seconds: float | None, tokens_emitted_per_seq: float,
                      accepted: int, drafted: int) -> None:
-        """One speculative step over n_active sequences: its wall time, the mean tokens it
-        emitted per sequence (bonus token included), and the accepted / drafted token counts."""
+        """One speculative step over n_active sequences: its wall time (None: not representative,
+        e.g. a step that also ran a prefill), the mean tokens it emitted per sequence (bonus token
+        included), and the accepted / drafted token counts."""
         if gamma not in self.config.gammas:
             raise ValueError(f"gamma {gamma} is not one of the controller's gammas {self.config.gammas}")
         cfg = self.config
         b = self.buckets[self.bucket_of(n_active)]
-        b.spec[gamma].update(seconds, cfg.ema)
+        if seconds is not None:
+            b.spec[gamma].update(seconds, cfg.ema)
         if drafted <= 0:
             return
         b.acc[gamma].update(tokens_emitted_per_seq, cfg.ema)

@@ -66,6 +66,7 @@ class SpecCoTrainer:
         self.budget = DraftBudget(cfg.scheduler.draft_steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self._draft_steps_this_rl_step = 0
+        self._burst_s, self._granted = 0.0, None
         self._overlap = (OverlappedBursts(self.draft_trainer, cfg.scheduler.overlap_threads)
                          if self.draft_trainer is not None and cfg.scheduler.mode == "overlap" else None)
         self._burst: dict | None = None  # an overlapped burst collected but not yet reported
@@ -131,6 +132,8 @@ class SpecCoTrainer:
             return
         self.scheduler.begin_step()
         self._draft_steps_this_rl_step = 0
+        self._burst_s = 0.0  # seconds of the draft updates recorded this step (priced budgets pay them)
+        self._granted = None
         self._mem_shrunk = self._mem_skipped = 0
         self._overlap_s = self._wait_s = 0.0
         self._train_metrics = []
@@ -163,6 +166,7 @@ class SpecCoTrainer:
             signal = expected_accept_length(alpha, self.config.spec.gamma)
             self._rollout_metrics["rollout/spec_accept_length_at_gamma"] = signal
         self.budget.observe(signal, agg["verify_steps"] > 0)
+        self.budget.observe_saving((getattr(self.engine, "last_stats", None) or {}).get("spec_saved_s"))
         self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
                                       "rollout/spec_collapse_alarms": self.budget.alarms})
         if self.capture_engine_features:
@@ -200,6 +204,8 @@ class SpecCoTrainer:
         if not self.enabled:
             return {}
         report = self.scheduler.end_step(time.perf_counter() - self._t_step)
+        self._granted = self.budget.steps(self.config.max_draft_steps)  # this step's count, before paying for it
+        self.budget.spend(self._burst_s + self._sync_s, self._draft_steps_this_rl_step)  # updates and their swaps
         self._step_metrics = report
         return self.metrics()
 
@@ -213,6 +219,8 @@ class SpecCoTrainer:
             m["train/draft_loss"] = sum(losses) / len(losses) if losses else None
             m["train/draft_steps"] = self._draft_steps_this_rl_step
             m.update(self.budget.metrics(self.config.max_draft_steps))
+            if self._granted is not None:
+                m["sched/draft_steps_budget"] = self._granted
             m["train/draft_version"] = self.draft_trainer.version
             m["perf/draft_sync_s"] = self._sync_s
             m["perf/feature_capture_s"] = self.buffer.capture_seconds - self._capture_s0
@@ -299,6 +307,7 @@ class SpecCoTrainer:
     def _record_burst(self, result: dict) -> None:
         """Count a burst's steps and keep its last step's metrics (with the burst's mean loss)."""
         self._draft_steps_this_rl_step += result["steps"]
+        self._burst_s += result.get("seconds", 0.0)
         if result.get("last"):
             self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
 
@@ -327,8 +336,9 @@ class SpecCoTrainer:
         finally:
             self._sync_s += time.perf_counter() - t_sync
         self._engine_version = version
-        if self.controller is not None:
-            self.controller.reset_acceptance()
+        # the controller keeps its acceptance estimates across the swap: its EMAs follow the new draft
+        # within a few steps, where forgetting them made it re-explore every arm, plain decoding
+        # included, after every update (every rollout, at one update per RL step)
 
     def _overlap_boundary(self) -> None:
         """Overlapped mode, at a step boundary (no forward in flight): finish the burst started at

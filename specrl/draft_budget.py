@@ -24,6 +24,19 @@ between two steps); without it the KL terms are zero.
 
 Rule "fixed" (the default): always the cap, the behaviour the drift figures were measured with.
 
+Pricing (`saving_share`, with either rule): an update is bought only with rollout time that
+speculation saves. The engine estimates each rollout's saving s_t (`observe_saving`: for every
+speculative engine step, the tokens it emitted times the controller's measured seconds per plain
+step at that batch size, minus the step's own seconds). S_t = running best of the EMA of s_t,
+forgetting like b_t: what a draft in step with the policy is worth per rollout, so a stale draft
+(whose saving has fallen) still earns the means to catch up. Each rollout adds
+saving_share * S_t to a credit (at most CREDIT_STEPS rollouts' worth); the seconds draft updates
+take are taken from it (`spend`); a step runs at most floor(credit / u) updates, u the measured
+seconds of one update (one update, while the credit is positive, before u is known). Where
+speculation saves nothing, not even with a fresh draft, the draft does not train; where it saves
+much, the rule's count decides. Co-training then costs at most saving_share of the best saving,
+over any stretch of CREDIT_STEPS rollouts or more.
+
 The collapse alarm watches every rollout that speculated, whatever the rule: an accept length
 at or below `collapse_accept_length` for `collapse_patience` rollouts in a row means the draft
 predicts (almost) nothing, the usual sign of a draft overwritten by a policy sync or lost in a
@@ -36,6 +49,8 @@ import math
 import warnings
 
 from specrl.config import DraftBudgetConfig
+
+CREDIT_STEPS = 10  # the pricing credit holds at most this many rollouts' earnings
 
 class DraftBudget:
     """Per-step draft-update count (`steps(cap)`) and the collapse alarm; state is checkpointable."""
@@ -51,6 +66,11 @@ class DraftBudget:
         self.low_streak = 0  # rollouts in a row at or below the collapse threshold
         self.alarm = False
         self.alarms = 0  # collapse episodes so far
+        self.saving: float | None = None  # the last rollout's estimated saving (seconds)
+        self.saving_ema: float | None = None
+        self.saving_best: float | None = None  # S_t (pricing)
+        self.credit = 0.0  # seconds of draft training paid for and not yet spent
+        self.update_s: float | None = None  # EMA of the measured seconds of one draft update
 
     # -- observations ------------------------------------------------------------------------
     def observe(self, accept_length: float, speculated: bool) -> None:
@@ -76,6 +96,44 @@ class DraftBudget:
         if self.kl >= self.config.kl_steady:  # a moving policy ends a steady spell at once
             self.steady_streak = 0
 
+    def observe_saving(self, saved_s: float | None) -> None:
+        """One rollout's estimated saving from speculation, in seconds (None: not estimated)."""
+        c = self.config
+        if c.saving_share is None or saved_s is None or not math.isfinite(saved_s):
+            return
+        self.saving = float(saved_s)
+        prev = self.saving_ema
+        self.saving_ema = self.saving if prev is None else prev + c.ema * (self.saving - prev)
+        if self.saving_best is None or self.saving_ema >= self.saving_best:
+            self.saving_best = self.saving_ema
+        else:
+            self.saving_best -= c.best_forget * (self.saving_best - self.saving_ema)
+        earn = c.saving_share * max(0.0, self.saving_best)
+        self.credit = min(self.credit + earn, CREDIT_STEPS * earn)
+
+    def spend(self, seconds: float, updates: int) -> None:
+        """Draft updates took `seconds` in all (`updates` of them); priced runs pay from the credit."""
+        if updates <= 0 or self.config.saving_share is None:
+            return
+        self.credit -= seconds
+        per = seconds / updates
+        self.update_s = per if self.update_s is None else self.update_s + self.config.ema * (per - self.update_s)
+
+    @property
+    def priced(self) -> bool:
+        """Whether pricing decides (configured, and the engine has estimated a saving)."""
+        return self.config.saving_share is not None and self.saving_best is not None
+
+    def affordable(self) -> int | None:
+        """Updates the credit pays for (None: not priced)."""
+        if not self.priced:
+            return None
+        if self.credit <= 0.0:
+            return 0
+        if self.update_s is None:
+            return 1
+        return int(self.credit / max(self.update_s, 1e-9))
+
     # -- decision ----------------------------------------------------------------------------
     def deficit(self) -> float:
         if self.ema is None or not self.best:
@@ -86,20 +144,24 @@ class DraftBudget:
         """Draft updates this RL step may run (at most `cap`)."""
         c = self.config
         if c.rule == "fixed":
-            return cap
-        if self.ema is None:
+            n = cap
+        elif self.ema is None:
             n = c.base_steps
         elif self.steady_streak >= c.idle_after:
             n = c.min_steps
         else:
             n = (c.base_steps + math.ceil(c.deficit_gain * self.deficit()) + math.ceil(c.kl_gain * self.kl)
                  + (c.falling_steps if self.falling else 0))
-        return max(0, min(cap, max(c.min_steps, n)))
+        n = max(0, min(cap, max(c.min_steps, n)))
+        paid = self.affordable()
+        return n if paid is None else min(n, paid)
 
     def metrics(self, cap: int) -> dict:
         return {"sched/draft_steps_budget": self.steps(cap), "sched/accept_ema": self.ema,
                 "sched/accept_best": self.best, "sched/accept_deficit": self.deficit(),
-                "rollout/spec_collapse_alarm": int(self.alarm), "rollout/spec_collapse_alarms": self.alarms}
+                "rollout/spec_collapse_alarm": int(self.alarm), "rollout/spec_collapse_alarms": self.alarms,
+                "sched/spec_saving_s": self.saving, "sched/spec_saving_best_s": self.saving_best,
+                "sched/draft_credit_s": self.credit if self.priced else None}
 
     # -- internals ---------------------------------------------------------------------------
     def _steady(self) -> bool:
@@ -120,7 +182,8 @@ class DraftBudget:
                           RuntimeWarning)
 
     # -- checkpointing -----------------------------------------------------------------------
-    _STATE = ("ema", "best", "last", "falling", "kl", "steady_streak", "low_streak", "alarm", "alarms")
+    _STATE = ("ema", "best", "last", "falling", "kl", "steady_streak", "low_streak", "alarm", "alarms",
+              "saving", "saving_ema", "saving_best", "credit", "update_s")
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._STATE}

@@ -26,6 +26,29 @@ def adaptive_spec(spec: SpecConfig) -> dict:
     return {"spec": spec, "adaptive": True, "controller": ControllerConfig(gammas=tuple(range(1, spec.gamma + 1)))}
 
 
+# Share of the rollout time speculation saves that draft training may spend (DraftBudgetConfig.saving_share):
+# the RL presets' default, so online co-training costs at most 15% of what speculation saves at its best and
+# the rest is the user's. Where a fresh draft saves nothing at the RL batch (the `quick` model on this CPU,
+# whose draft step costs a quarter of a target step), the online draft trains almost never.
+SAVING_SHARE = 0.15
+# Priced updates come few and far between, and a fresh AdamW's first steps move every weight by about
+# the learning rate: on `drift` (bench rl, 40 steps) nine priced updates without a warm-up left the
+# online draft below the frozen one (accept length at the chain 3.26 against 3.44). So priced
+# co-training warms its learning rate up over this many updates.
+PRICED_WARMUP = 10
+
+
+def priced(cotrain: CoTrainConfig, share: float | None = SAVING_SHARE) -> CoTrainConfig:
+    """`cotrain` with its draft updates priced by the rollout time speculation saves and a learning-rate
+    warm-up of PRICED_WARMUP updates (share None: unpriced, the warm-up left as it was)."""
+    sched = cotrain.scheduler
+    online = cotrain.online
+    if share is not None:
+        online = dataclasses.replace(online, warmup_steps=max(online.warmup_steps, PRICED_WARMUP))
+    return dataclasses.replace(cotrain, online=online, scheduler=dataclasses.replace(
+        sched, draft_steps=dataclasses.replace(sched.draft_steps, saving_share=share)))
+
+
 @dataclass
 class RunPreset:
     model: str  # a key of target_training.config.PRESETS
@@ -139,7 +162,7 @@ RL_PRESETS: dict[str, RunPreset] = {
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
-                       cotrain=acceptance_cotrain(DRAFT_UPDATES_PER_STEP["quick"])),
+                       cotrain=priced(acceptance_cotrain(DRAFT_UPDATES_PER_STEP["quick"]))),
     # Policy drift on purpose (docs/design.md section 1b): the rare "cols" worked-step style is 5% of the SFT data,
     # so the starting draft (trained on the SFT policy's samples) has seen little of it; a reward
     # bonus for that format moves the policy there during RL, and the later steps sharpen it.
@@ -147,7 +170,7 @@ RL_PRESETS: dict[str, RunPreset] = {
                        grpo=GRPOConfig(lr=2e-4), rl_steps=100, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=64, eval_samples=2, checkpoint_every=10, max_batch=64,
                        task_kwargs={"format_bonus": 1.0, "bonus_rule": "format", "rare_weight": 0.05},
-                       cotrain=DRIFT_COTRAIN),
+                       cotrain=priced(DRIFT_COTRAIN)),
     # The speed benchmarks' deeper target (12 layers, draft/target cost ratio c of a few percent):
     # a short SFT keeps its cached warm start to a few minutes on 2 cores. Its offline draft trains
     # 2400 steps (about 4 minutes, cached): with the default 300 its greedy accept length at chains
@@ -160,11 +183,11 @@ RL_PRESETS: dict[str, RunPreset] = {
                        grpo=GRPOConfig(lr=3e-5), rl_steps=60, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
                        draft=DraftTrainConfig(steps=2400, lr=2e-3),
-                       cotrain=CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6)))),
+                       cotrain=priced(CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6))))),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
                       max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64,
-                      cotrain=counted_cotrain(DRAFT_UPDATES_PER_STEP["full"])),
+                      cotrain=priced(counted_cotrain(DRAFT_UPDATES_PER_STEP["full"]))),
 }
 
 

@@ -180,10 +180,10 @@ def test_nan_in_a_resumed_state_is_repaired(sft_policy, tmp_path):
     assert all(json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines())
 
 
-def _online_cotrainer(sft_policy, offline_draft):
+def _online_cotrainer(sft_policy, offline_draft, **config):
     import copy
 
-    cot = SpecCoTrainer(copy.deepcopy(offline_draft), CoTrainConfig(mode="online", min_buffer_records=1))
+    cot = SpecCoTrainer(copy.deepcopy(offline_draft), CoTrainConfig(mode="online", min_buffer_records=1, **config))
     _, _, policy, _ = sft_policy
     ids = torch.randint(3, 60, (4, 12), generator=torch.Generator().manual_seed(0))
     out = policy(ids, tap_layers=policy.cfg.feature_layer_ids)
@@ -283,3 +283,20 @@ def test_adaptive_budget_reads_acceptance_at_the_configured_chain(tiny_model):
     assert signals[True, 2] == pytest.approx(signals[True, 6], rel=1e-3)
     assert signals[True, 6] == pytest.approx(expected_accept_length(0.8, 6), rel=1e-3)
     assert signals[False, 2] < 0.7 * signals[False, 6]  # the raw accept length follows the chain length
+
+
+def test_hot_swap_keeps_the_controllers_measurements(sft_policy, offline_draft):
+    """A draft update must not send the adaptive controller back to exploring: it keeps its
+    acceptance and step-time estimates across the swap (they follow the new draft by their EMAs)."""
+    from specrl.config import ControllerConfig
+
+    cot = _online_cotrainer(sft_policy, offline_draft, adaptive=True, controller=ControllerConfig(gammas=(1, 2)))
+    ctrl = cot.controller
+    for _ in range(4):
+        ctrl.observe_plain(4, 0.01)
+        ctrl.observe_spec(4, 2, 0.02, 2.5, 6, 8)
+    before = ctrl.state_dict()
+    cot.begin_step()
+    cot.train_draft()
+    assert cot.speculator.version == cot.draft_trainer.version > 0  # the swap happened
+    assert ctrl.state_dict() == before

@@ -141,3 +141,105 @@ def test_cotrainer_reports_the_alarm_and_the_budget(tiny_model):
         m = cot.on_rollout(_rollout(0))
     assert m["rollout/spec_collapse_alarm"] == 1
     assert cot.metrics()["sched/draft_steps_budget"] == 6  # acceptance fell from 3 to 1: the cap
+
+
+# -- pricing: draft updates bought with the rollout time speculation saves ------------------------
+def _priced(share=0.5, rule="fixed"):
+    return DraftBudget(DraftBudgetConfig(rule=rule, saving_share=share, best_forget=0.0))
+
+
+def test_pricing_needs_a_saving_estimate():
+    """Without an estimate (an engine or a fixed chain that does not estimate) the count rule decides."""
+    b = _priced()
+    b.observe_saving(None)
+    assert not b.priced and b.steps(CAP) == CAP
+
+
+def test_pricing_buys_updates_with_the_saving():
+    """A saving of 1.0 s per rollout at share 0.5 earns 0.5 s of draft training per step: with
+    updates of 0.2 s measured, two a step, and the credit falls by what they took."""
+    b = _priced()
+    b.observe_saving(1.0)
+    assert b.credit == pytest.approx(0.5)
+    assert b.steps(CAP) == 1  # the cost of an update is not yet known: one, to measure it
+    b.spend(0.2, 1)
+    assert b.credit == pytest.approx(0.3) and b.update_s == pytest.approx(0.2)
+    b.observe_saving(1.0)
+    assert b.steps(CAP) == 4  # 0.8 s of credit at 0.2 s an update
+    assert b.steps(3) == 3  # never beyond the cap
+    b.spend(0.8, 4)
+    assert b.steps(CAP) == 0  # spent
+
+
+def test_no_saving_no_updates_and_credit_is_bounded():
+    b = _priced()
+    for _ in range(5):
+        b.observe_saving(-0.05)  # speculation cost time: nothing to spend
+    assert b.steps(CAP) == 0 and b.credit == 0.0
+    for _ in range(100):
+        b.observe_saving(1.0)
+    assert b.credit == pytest.approx(10 * 0.5)  # at most CREDIT_STEPS rollouts' worth
+
+
+def test_a_stale_draft_still_earns_at_its_best_saving():
+    """The saving falls when the draft falls behind the policy; the credit keeps accruing at the
+    best saving seen (the worth of a draft in step with the policy), so the draft can catch up."""
+    b = _priced()
+    b.observe_saving(1.0)
+    b.spend(0.5, 1)
+    for _ in range(3):
+        b.observe_saving(0.0)
+    assert b.credit == pytest.approx(3 * 0.5)
+
+
+def test_pricing_caps_the_acceptance_rule():
+    """The acceptance rule asks for updates; the credit pays for fewer, and the smaller count wins."""
+    b = _priced(share=0.1, rule="acceptance")
+    b.observe(3.5, True)
+    b.observe(2.0, True)  # acceptance fell: the rule asks for more than its base
+    b.observe_saving(1.0)
+    b.spend(0.05, 1)  # 0.05 s of the 0.1 s credit; updates cost 0.05 s
+    unpriced = DraftBudget(DraftBudgetConfig(rule="acceptance", best_forget=0.0))
+    unpriced.observe(3.5, True)
+    unpriced.observe(2.0, True)
+    assert unpriced.steps(CAP) > 1 and b.steps(CAP) == 1
+
+
+def test_the_engine_estimates_its_saving_from_measured_plain_steps():
+    """spec_saved_s: tokens a speculative step emitted per sequence at the bucket's measured plain
+    step time, minus the step's own time; None without a controller."""
+    from rollout.speculative import SpecConfig, Speculator
+    from specrl.config import ControllerConfig
+    from specrl.controller import SpeculationController
+
+    spec = Speculator(None, SpecConfig(gamma=2), proposer=lambda n, m: None)
+    assert spec.begin(4, 16).saved_s is None  # no controller: no estimate
+    spec.controller = SpeculationController(ControllerConfig(gammas=(1, 2)))
+    session = spec.begin(4, 16)
+    step = {"gamma": 2, "tokens_per_seq": 3.0, "accepted": 8, "drafted": 8}
+    session.observe(4, 0.10, step)  # no plain step measured yet at this batch: no estimate
+    session.observe(4, 0.05, None)  # a plain step: 0.05 s
+    session.observe(4, 0.10, step)  # 3 tokens for 0.10 s where plain takes 3 * 0.05 s
+    assert session.saved_s == pytest.approx(3 * 0.05 - 0.10)
+    # a step that also ran new requests' prefill: its time is left out, its acceptance kept
+    alpha_n, spec_n = spec.controller.alpha.n, spec.controller.buckets[4].spec[2].n
+    session.observe(4, 5.0, None, fused=True)
+    session.observe(4, 5.0, step, fused=True)
+    assert spec.controller.plain_seconds(4) == pytest.approx(0.05)
+    assert session.saved_s == pytest.approx(3 * 0.05 - 0.10)
+    assert spec.controller.buckets[4].spec[2].n == spec_n and spec.controller.alpha.n == alpha_n + 1
+
+
+def test_priced_state_round_trip():
+    b = _priced()
+    b.observe_saving(1.0)
+    b.spend(0.2, 1)
+    c = _priced()
+    c.load_state_dict(b.state_dict())
+    assert c.state_dict() == b.state_dict() and c.steps(CAP) == b.steps(CAP)
+
+
+@pytest.mark.parametrize("share", [0.0, 1.5, -0.1])
+def test_bad_saving_share_is_refused(share):
+    with pytest.raises(ValueError, match="saving_share"):
+        DraftBudgetConfig(saving_share=share)

@@ -7,6 +7,9 @@ rotating from segment to segment, all in one process:
   off           speculation off: the yardstick
   frozen        speculation with the starting offline draft, never trained
   online        speculation with the draft co-trained online (the preset's co-training)
+  online-unpriced  online with draft updates not priced by the rollout time speculation saves
+                (the RL presets price them, presets.SAVING_SHARE): the cost of following the
+                policy whatever it saves
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -47,10 +50,10 @@ import statistics
 from pathlib import Path
 
 from experiments.bench.common import machine_info, turn_order
-from specrl.presets import get_preset
+from specrl.presets import get_preset, priced
 from specrl.run_dir import RunDirError
 
-ARMS = ("off", "frozen", "online", "frozen-fixed", "online-fixed", "off-b")
+ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b")
 DEFAULT_ARMS = ("off", "frozen", "online")
 DEFAULT_STEPS = 20  # RL steps per arm: four segments of 5, enough for a median of each
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
@@ -69,6 +72,8 @@ def arm_setup(arm: str, preset):
     mode = arm.split("-")[0]
     if arm.endswith("-fixed"):
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
+    if arm.endswith("-unpriced"):
+        preset = dataclasses.replace(preset, cotrain=priced(preset.cotrain, None))
     return mode, preset
 
 
