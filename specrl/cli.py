@@ -32,6 +32,8 @@ COMMANDS = {
     "bench overlap": "experiments.bench.overlap:bench_overlap",
     "bench overlap --phases": "experiments.bench.overlap:bench_overlap_phases",
     "bench rl": "experiments.bench.rl:bench_rl",
+    "bench real": "experiments.bench.real:bench_real",
+    "bench precision": "experiments.bench.precision:bench_precision",
 }
 DRIFT_PRESETS = "experiments.drift:DRIFT_PRESETS"
 
@@ -253,6 +255,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: a rollout alone, with draft updates in line, and with them overlapped, per batch size")
     o.add_argument("--batches", type=batches, default="1,4,16,64", help="(--phases) rollout batch sizes")
     o.add_argument("--updates", type=_int_in(1), default=2, help="(--phases) draft updates per rollout")
+    c = bsub.add_parser("precision", help="speculative against plain decoding, token by token, in fp32 and bf16 "
+                                          "(greedy and coupled sampling)", **kw)
+    _add_common(c, rl)
+    c.add_argument("--prompts", type=_int_in(1, 100_000), default=256, help="held-out prompts")
+    c.add_argument("--batch", type=_int_in(1, 1024), default=16, help="engine batch size")
+    q = bsub.add_parser("real", help="plain decoding of a real pretrained model on the embedded engine (fp32, "
+                                     "bf16) against HF generate, per batch size", **kw)
+    q.add_argument("--model", default="smollm2-135m", help="a real model (target_training.real_models)")
+    q.add_argument("--out", required=True, type=Path, help="output folder")
+    q.add_argument("--cache-dir", type=Path, default=None,
+                   help="where the converted model is cached (default ~/.cache/specrl or $SPECRL_CACHE)")
+    q.add_argument("--batches", type=batches, default="1,8,32", help="batch sizes")
+    q.add_argument("--max-new-tokens", type=_int_in(1, 4096), default=64, help="new tokens per sequence")
+    q.add_argument("--repeats", type=_int_in(1), default=3, help="timed repeats per batch size")
+    q.add_argument("--no-hf", action="store_true", help="leave out the HF generate arm")
     r = bsub.add_parser("rl", help="the whole RL step with speculation off, frozen and online, arms taking turns "
                                    "in segments of steps; split into rollout, update, co-training and the rest", **kw)
     _add_common(r, rl)
@@ -293,8 +310,14 @@ def command_key(args: argparse.Namespace) -> str:
 
 def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
     """The positional and keyword arguments of the command's function."""
-    common = {"seed": args.seed, "cache_dir": args.cache_dir}
     key = command_key(args)
+    if key == "bench real":
+        from target_training.real_models import real_model
+
+        real_model(args.model)  # an unknown name fails before anything is loaded
+        return (args.model, args.out), {"batches": args.batches, "max_new_tokens": args.max_new_tokens,
+                                        "repeats": args.repeats, "hf": not args.no_hf, "cache_dir": args.cache_dir}
+    common = {"seed": args.seed, "cache_dir": args.cache_dir}
     if key == "train-rl":
         return (args.task, args.preset, args.out), {**common, "resume": args.resume, "steps": args.steps,
                                                     "progress": not args.no_progress, "spec": args.spec,
@@ -333,6 +356,8 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
         return pos, {**common, "batches": args.batches, "updates": args.updates}
     if key == "bench overlap":
         return pos, {**common, "steps": args.timed_steps, "warmup": args.warmup, "block": args.block}
+    if key == "bench precision":
+        return pos, {**common, "n_prompts": args.prompts, "batch": args.batch}
     if key == "bench rl":
         return pos, {**common, "engine": args.engine, "arms": args.arms, "steps": args.steps,
                      "segment": args.segment, "warmup": args.warmup, "vllm_schedule": args.vllm_schedule}

