@@ -270,6 +270,11 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--max-new-tokens", type=_int_in(1, 4096), default=64, help="new tokens per sequence")
     q.add_argument("--repeats", type=_int_in(1), default=3, help="timed repeats per batch size")
     q.add_argument("--no-hf", action="store_true", help="leave out the HF generate arm")
+    q.add_argument("--eagle3", action="store_true",
+                   help="also EAGLE-3 chains in fp32 with the model's offline draft (trained once on its own answers, cached)")
+    q.add_argument("--draft-steps", type=_int_in(1, 1_000_000), default=None, help="(--eagle3) offline draft training steps")
+    q.add_argument("--gamma", type=_int_in(1, MAX_SPEC_DEPTH), default=4, help="(--eagle3) chain length")
+    q.add_argument("--dtypes", type=_arm_list, default="fp32,bf16", help="embedded engine dtypes: fp32, bf16")
     r = bsub.add_parser("rl", help="the whole RL step with speculation off, frozen and online, arms taking turns "
                                    "in segments of steps; split into rollout, update, co-training and the rest", **kw)
     _add_common(r, rl)
@@ -315,8 +320,15 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
         from target_training.real_models import real_model
 
         real_model(args.model)  # an unknown name fails before anything is loaded
+        bad = [d for d in args.dtypes if d not in ("fp32", "bf16")]
+        if bad or not args.dtypes:
+            raise ValueError(f"--dtypes: choose from fp32, bf16 (got {','.join(args.dtypes)})")
+        if args.eagle3 and "fp32" not in args.dtypes:
+            raise ValueError("--eagle3 speculates in fp32: include fp32 in --dtypes")
         return (args.model, args.out), {"batches": args.batches, "max_new_tokens": args.max_new_tokens,
-                                        "repeats": args.repeats, "hf": not args.no_hf, "cache_dir": args.cache_dir}
+                                        "repeats": args.repeats, "hf": not args.no_hf, "cache_dir": args.cache_dir,
+                                        "eagle3": args.eagle3, "draft_steps": args.draft_steps, "gamma": args.gamma,
+                                        "dtypes": tuple(args.dtypes)}
     common = {"seed": args.seed, "cache_dir": args.cache_dir}
     if key == "train-rl":
         return (args.task, args.preset, args.out), {**common, "resume": args.resume, "steps": args.steps,

@@ -32,7 +32,10 @@ from target_training.sft import default_cache_dir
 def rollout_records(policy, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
                     request_offset: int = 0):
     """Sample responses from the policy; return (sequences, loss_masks) with the loss on responses."""
-    engine = EmbeddedEngine(policy, EngineConfig(max_batch=max_batch))
+    # the KV cache sized to the work, not to the model's context (a real model's 8192 tokens at batch 64
+    # would take tens of GB and be attended over in full at every step)
+    max_len = min(policy.cfg.max_seq_len, max(len(p) for p in prompts) + params.max_new_tokens)
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=max_batch, max_len=max_len))
     trajs = engine.generate(prompts, params, request_ids=range(request_offset, request_offset + len(prompts)))
     seqs = [t.full_ids for t in trajs]
     masks = [[0] * len(t.prompt_ids) + [1] * len(t.token_ids) for t in trajs]
@@ -67,6 +70,8 @@ def train_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, log=pr
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids,
                             seed=cfg.seed)
     seqs, masks = rollout_records(policy, prompts[: cfg.n_sequences], params, request_offset=10_000_000)
+    log(f"[draft] sampled {len(seqs)} rollouts ({sum(sum(m) for m in masks)} response tokens) in "
+        f"{time.perf_counter() - t0:.0f}s; training {cfg.steps} steps")
     draft = new_draft(policy, seqs, cfg)
     fit_draft(draft, policy, seqs, masks, cfg, log)
     return draft, {"draft_train_s": time.perf_counter() - t0}

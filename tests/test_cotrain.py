@@ -236,9 +236,12 @@ def test_quick_presets_cotraining_runs_every_update_acceptance_grants(sft_policy
     the draft got almost none)."""
     import dataclasses
 
-    from specrl.presets import DRAFT_UPDATES_PER_STEP, get_preset
+    from specrl.presets import DRAFT_UPDATES_PER_STEP, SAVING_SHARE, get_preset, priced
 
-    preset = dataclasses.replace(get_preset("ci"), cotrain=get_preset("quick").cotrain)
+    quick = get_preset("quick").cotrain
+    assert quick.scheduler.draft_steps.saving_share == SAVING_SHARE  # priced in the preset
+    # the count rule alone: pricing reads measured step times, which the machine's load moves
+    preset = dataclasses.replace(get_preset("ci"), cotrain=priced(quick, None))
     assert preset.cotrain.scheduler.draft_steps.rule == "acceptance"
     train_rl("arith", preset, tmp_path / "r", seed=3, steps=4, cache_dir=sft_policy[3], progress=False,
              spec="online", log=lambda *a: None)

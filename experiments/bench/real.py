@@ -1,5 +1,6 @@
 """`specrl bench real`: plain decoding of a real pretrained model (target_training.real_models) on
-the embedded engine, in fp32 and bf16, against HF `generate` (prints and saves JSON).
+the embedded engine, in fp32 and bf16, against HF `generate`, and with `--eagle3` EAGLE-3
+speculation with the model's own offline draft (prints and saves JSON).
 
 Greedy, a fixed number of new tokens (no stop token, so every arm decodes the same count), chat
 prompts of local arithmetic word problems in the model's chat template. Per batch size, the arms
@@ -12,6 +13,7 @@ Outputs in DIR: summary.json.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 from pathlib import Path
@@ -19,13 +21,20 @@ from types import SimpleNamespace
 
 import torch
 
-from experiments.bench.common import save_summary, timed_generate_interleaved
+from experiments.bench.common import repeat_ratios, save_summary, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.protocol import SamplingParams
+from rollout.protocol import SamplingParams, accept_length
+from rollout.speculative import SpecConfig, Speculator
+from specrl.config import DraftTrainConfig
 from target_training.real_models import hf_folder, load_real_target
 from target_training.sft import default_cache_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The real model's offline EAGLE-3 draft: 256 sampled answers (temperature 1, up to 96 tokens) to word
+# problems, a draft vocabulary of the 2048 tokens most frequent in them, TTT of 4 steps. Sized for the
+# 2-core CPU: with 8192 draft tokens and batches of 16, one training step took several seconds.
+REAL_DRAFT = DraftTrainConfig(n_sequences=256, steps=300, lr=3e-3, batch_size=8, draft_vocab_size=2048, ttt_steps=4,
+                              temperature=1.0, max_new_tokens=96)
 
 
 def word_problems(n: int, seed: int = 0) -> list[str]:
@@ -57,21 +66,43 @@ class HFGenerate:
         return [SimpleNamespace(token_ids=row[width:].tolist()) for row in out]
 
 
+def chat_prompts(tok, questions) -> list[list[int]]:
+    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+            for q in questions]
+
+
+def real_draft(model, tok, cfg: DraftTrainConfig, cache_dir, log=print):
+    """The real model's starting EAGLE-3 draft: trained offline on its own sampled answers to
+    word problems (other problems than the benchmark's), cached (specrl.drafts)."""
+    from specrl.drafts import cached_offline_draft
+
+    prompts = chat_prompts(tok, word_problems(cfg.n_sequences, seed=7))
+    return cached_offline_draft(model, prompts, cfg, (tok.eos_token_id,), cache_dir, log=log)
+
+
 def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", "bf16"), max_new_tokens: int = 64,
-               repeats: int = 3, hf: bool = True, cache_dir=None, log=print) -> dict:
+               repeats: int = 3, hf: bool = True, eagle3: bool = False, draft_steps: int | None = None, gamma: int = 4,
+               cache_dir=None, log=print) -> dict:
+    """Plain decoding per dtype (and HF generate); with `eagle3`, also EAGLE-3 chains of `gamma` in
+    fp32 with the model's cached offline draft (REAL_DRAFT, `draft_steps` training steps)."""
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     cache_dir = cache_dir or default_cache_dir()
-    arms, tok = {}, None
+    arms, tok, info = {}, None, {}
     questions = word_problems(max(batches), seed=0)
     for name in dtypes:
         model, tok = load_real_target(model_name, cache_dir, dtype=DTYPES[name], log=log)
-        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-                   for q in questions]
+        prompts = chat_prompts(tok, questions)
         # the KV cache sized to the work (the model's own context, 8192 tokens, would be attended over in full)
         max_len = max(len(p) for p in prompts) + max_new_tokens
         arms[f"embedded-{name}"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len))
+        if eagle3 and name == "fp32":
+            cfg = REAL_DRAFT if draft_steps is None else dataclasses.replace(REAL_DRAFT, steps=draft_steps)
+            draft, info = real_draft(model, tok, cfg, cache_dir, log=log)
+            info = {**info, "config": dataclasses.asdict(cfg), "draft_parameters": draft.num_parameters()}
+            arms["eagle3-fp32"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len),
+                                                 speculator=Speculator(draft, SpecConfig(mode="chain", gamma=gamma)))
     if hf:
         hf_model = AutoModelForCausalLM.from_pretrained(hf_folder(model_name, cache_dir, log=log), dtype=torch.float32,
                                                         local_files_only=True)
@@ -87,13 +118,21 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
             if arm != "embedded-fp32" and "embedded-fp32" in tokens:
                 same = [a == b for a, b in zip(tokens[arm], tokens["embedded-fp32"])]
                 row["sequences_equal_to_embedded_fp32"] = f"{sum(same)}/{len(same)}"
+            if arm.startswith("eagle3"):
+                # speed-up: the median over repeats of the two arms' tokens/s ratio within a repeat
+                row["speedup"] = statistics.median(repeat_ratios(r, timed["embedded-fp32"]))
+                stats = [t.spec for t in r["trajectories"]]
+                row["accept_length"] = accept_length(sum(s.accepted for s in stats), sum(s.verify_steps for s in stats))
             rows.append(row)
         log("[bench real] batch %d: %s" % (batch, ", ".join(f"{r['arm']} {r['tokens_per_s']:.1f} tok/s"
                                                            for r in rows if r["batch"] == batch)))
     summary = save_summary(out, {"benchmark": "real", "model": model_name, "max_new_tokens": max_new_tokens,
                                  "repeats": repeats, "greedy": True, "prompt_tokens": [len(p) for p in prompts],
-                                 "rows": rows})
-    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  same tokens as embedded-fp32")
+                                 "gamma": gamma if eagle3 else None, "draft": info or None, "rows": rows})
+    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  {'speed-up':>8}  {'accept':>6}  same tokens as embedded-fp32")
     for r in rows:
-        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {r.get('sequences_equal_to_embedded_fp32', '-')}")
+        x = f"x{r['speedup']:.2f}" if "speedup" in r else "-"
+        a = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
+        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {x:>8}  {a:>6}  "
+            f"{r.get('sequences_equal_to_embedded_fp32', '-')}")
     return summary
