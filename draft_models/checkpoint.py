@@ -74,13 +74,29 @@ def draft_tensors_for_export(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
+def check_draft_weights(weights: dict, reference: dict) -> str | None:
+    """What makes `weights` unfit to replace `reference` (a state dict of the same draft), as one
+    line, or None: a missing name, a shape that differs (a broadcastable one too), a non-finite value."""
+    missing = sorted(set(reference) - set(weights))
+    if missing:
+        return f"missing tensors {missing[:3]}"
+    for name, ref in reference.items():
+        w = weights[name]
+        if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(ref.shape):
+            return f"{name} has shape {tuple(getattr(w, 'shape', ()))}, expected {tuple(ref.shape)}"
+        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
+            return f"{name} has non-finite values"
+    return None
+
+
 def copy_draft_weights(draft: Eagle3Draft, weights: dict[str, torch.Tensor]) -> None:
     """Copy fresh weights (SGLang names, no embedding) into `draft` in place, so whoever holds the
-    module (an engine mid-rollout) sees them at its next step. Every tensor must be present."""
+    module (an engine mid-rollout) sees them at its next step. All or nothing: the weights are
+    checked first (check_draft_weights) and refused with a ValueError before anything is copied."""
     state = draft.state_dict()
-    missing = sorted(set(state) - set(weights))
-    if missing:
-        raise ValueError(f"draft weights lack {missing[:3]}")
+    problem = check_draft_weights(weights, state)
+    if problem is not None:
+        raise ValueError(f"draft weights refused: {problem}")
     for name, t in state.items():
         t.copy_(weights[name].to(t.device, t.dtype))
 

@@ -421,13 +421,18 @@ class VLLMEngine:
         self.shutdown()  # the next call starts vLLM with speculation
 
     def push_draft(self, weights: dict, version: int) -> None:
-        """Draft hot swap into the live engine: the worker's drafter reloads in place."""
+        """Draft hot swap into the live engine: the worker's drafter reloads in place. All or
+        nothing: the weights are checked (names, exact shapes, finite values) and loaded into the
+        worker from a candidate copy; the engine's own copy (what `draft_weights` and so every
+        checkpoint reads) changes only once vLLM has taken them."""
         if self.draft is None:
             raise VLLMEngineError("the engine has no draft: install_draft first")
-        copy_draft_weights(self.draft, weights)
+        candidate = copy.deepcopy(self.draft)
+        copy_draft_weights(candidate, weights)  # refuses missing, misshapen or non-finite weights
         if self._llm is not None:  # (not started yet: it will load the draft as it is now)
-            self.llm.collective_rpc(_reload_in_worker, args=(_pack(draft_tensors_for_export(self.draft)), "draft"))
+            self.llm.collective_rpc(_reload_in_worker, args=(_pack(draft_tensors_for_export(candidate)), "draft"))
             self.llm.reset_prefix_cache()  # the draft's cached KV came from the old draft
+        copy_draft_weights(self.draft, weights)
         self.version = version
 
     def draft_weights(self) -> tuple[dict, int]:

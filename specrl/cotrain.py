@@ -27,12 +27,13 @@ import warnings
 
 import torch
 
+from draft_models.checkpoint import check_draft_weights
 from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
 from specrl.config import CoTrainConfig
 from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
 from specrl.draft_budget import DraftBudget
-from specrl.online_trainer import OnlineDraftTrainer, check_draft_weights
+from specrl.online_trainer import OnlineDraftTrainer
 from specrl.overlap import OverlappedBursts
 from specrl.scheduler import DraftScheduler
 

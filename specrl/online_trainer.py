@@ -32,7 +32,7 @@ import warnings
 
 import torch
 
-from draft_models.checkpoint import draft_state_dict_for_sglang
+from draft_models.checkpoint import check_draft_weights, draft_state_dict_for_sglang
 from draft_models.train import TorchBackend, collate, draft_update_step, warmup_lr
 from specrl.config import OnlineDraftConfig
 
@@ -69,21 +69,6 @@ def _all_finite(obj) -> bool:
     if isinstance(obj, (list, tuple)):
         return all(_all_finite(v) for v in obj)
     return True
-
-
-def check_draft_weights(weights: dict, reference: dict) -> str | None:
-    """What makes `weights` unfit to replace `reference` (a state dict of the same draft), as one
-    line, or None: a missing name, a shape that differs, a non-finite value."""
-    missing = sorted(set(reference) - set(weights))
-    if missing:
-        return f"missing tensors {missing[:3]}"
-    for name, ref in reference.items():
-        w = weights[name]
-        if not isinstance(w, torch.Tensor) or tuple(w.shape) != tuple(ref.shape):
-            return f"{name} has shape {tuple(getattr(w, 'shape', ()))}, expected {tuple(ref.shape)}"
-        if w.is_floating_point() and not bool(torch.isfinite(w).all()):
-            return f"{name} has non-finite values"
-    return None
 
 
 def step_metrics(metrics: dict, records: list[dict], *, grad_norm: float, soft: bool, ok: bool, version: int,

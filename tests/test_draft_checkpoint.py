@@ -216,3 +216,25 @@ def test_sglang_reading_of_the_export_taps_our_layers(tmp_path):
     draft = Eagle3Config.for_target(cfg8, VD).build(target.embed_tokens)
     cfg = json.loads((save_draft(draft, tmp_path / "d") / "config.json").read_text())
     assert _sglang_0_5_23_capture_points(cfg, cfg8.num_layers) == list(cfg8.feature_layer_ids)
+
+
+def test_copy_draft_weights_is_all_or_nothing(tiny_model):
+    """A broadcastable wrong shape, a non-finite value or a missing tensor is refused before any
+    tensor is copied (the engines' hot swap goes through this copy)."""
+    from draft_models.checkpoint import copy_draft_weights
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
+
+    draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=32))
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    names = [k for k, v in before.items() if v.is_floating_point() and v.dim() == 2]
+    first, last = names[0], names[-1]
+    good = {k: (v + 1.0 if v.is_floating_point() else v) for k, v in before.items()}
+    for bad, why in (({**good, last: torch.zeros(1)}, "shape"),
+                     ({**good, last: good[last].clone().fill_(float("inf"))}, "non-finite"),
+                     ({k: v for k, v in good.items() if k != last}, "missing")):
+        with pytest.raises(ValueError, match=why):
+            copy_draft_weights(draft, bad)
+        assert torch.equal(draft.state_dict()[first], before[first])  # nothing copied, not even the first
+    copy_draft_weights(draft, good)
+    assert torch.equal(draft.state_dict()[first], good[first])

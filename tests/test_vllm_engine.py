@@ -336,3 +336,28 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     with pytest.raises(VLLMEngineError, match="chains"):
         VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), draft=setup[3], spec=SpecConfig(mode="tree"))
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["model_type"] == "qwen3_moe"
+
+
+def test_a_refused_or_failed_draft_push_changes_nothing(setup, spec, monkeypatch):
+    """push_draft is all or nothing: a broadcastable wrong shape, a non-finite value and a failure
+    inside vLLM's reload each leave the engine's copy (what checkpoints read), the worker's draft
+    and the version as they were."""
+    fp0, (weights0, v0) = spec.fingerprint(), spec.draft_weights()
+    name = next(k for k, v in weights0.items() if v.is_floating_point() and v.dim() == 2)
+    broadcast = {**weights0, name: torch.zeros(1)}
+    nan = {**weights0, name: weights0[name].clone().fill_(float("nan"))}
+    for bad, why in ((broadcast, "shape"), (nan, "non-finite")):
+        with pytest.raises(ValueError, match=why):
+            spec.push_draft(bad, version=v0 + 1)
+    fresh = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in weights0.items()}
+
+    def fail(*a, **k):
+        raise RuntimeError("reload failed inside vLLM")
+
+    monkeypatch.setattr(spec.llm, "collective_rpc", fail)
+    with pytest.raises(RuntimeError, match="reload failed"):
+        spec.push_draft(fresh, version=v0 + 1)
+    monkeypatch.undo()
+    weights1, v1 = spec.draft_weights()
+    assert v1 == v0 and all(torch.equal(weights1[k], weights0[k]) for k in weights0)
+    assert spec.fingerprint() == fp0
