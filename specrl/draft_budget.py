@@ -81,11 +81,7 @@ class DraftBudget:
         self._watch_collapse(accept_length)
         prev = self.ema
         self.falling = prev is not None and accept_length < prev * (1.0 - c.tolerance)
-        self.ema = accept_length if prev is None else prev + c.ema * (accept_length - prev)
-        if self.best is None or self.ema >= self.best:
-            self.best = self.ema
-        else:
-            self.best -= c.best_forget * (self.best - self.ema)
+        self.ema, self.best = self._ema_and_best(accept_length, prev, self.best)
         self.last = accept_length
         self.steady_streak = self.steady_streak + 1 if self._steady() else 0
 
@@ -102,12 +98,7 @@ class DraftBudget:
         if c.saving_share is None or saved_s is None or not math.isfinite(saved_s):
             return
         self.saving = float(saved_s)
-        prev = self.saving_ema
-        self.saving_ema = self.saving if prev is None else prev + c.ema * (self.saving - prev)
-        if self.saving_best is None or self.saving_ema >= self.saving_best:
-            self.saving_best = self.saving_ema
-        else:
-            self.saving_best -= c.best_forget * (self.saving_best - self.saving_ema)
+        self.saving_ema, self.saving_best = self._ema_and_best(self.saving, self.saving_ema, self.saving_best)
         earn = c.saving_share * max(0.0, self.saving_best)
         self.credit = min(self.credit + earn, CREDIT_STEPS * earn)
 
@@ -164,6 +155,15 @@ class DraftBudget:
                 "sched/draft_credit_s": self.credit if self.priced else None}
 
     # -- internals ---------------------------------------------------------------------------
+    def _ema_and_best(self, x: float, ema: float | None, best: float | None) -> tuple[float, float]:
+        """The EMA after observing x (weight `ema`) and its running best, which forgets toward the
+        EMA at rate `best_forget` per observation (acceptance's e_t, b_t; pricing's S_t)."""
+        c = self.config
+        ema = x if ema is None else ema + c.ema * (x - ema)
+        if best is None or ema >= best:
+            return ema, ema
+        return ema, best - c.best_forget * (best - ema)
+
     def _steady(self) -> bool:
         return self.deficit() == 0.0 and not self.falling and self.kl < self.config.kl_steady
 
