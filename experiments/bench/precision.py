@@ -20,6 +20,7 @@ Outputs in DIR: summary.json.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import statistics
 
@@ -66,7 +67,9 @@ def bench_precision(task_name: str, preset_name: str, out_dir, *, seed: int = 0,
     rows = []
     for name in dtypes:
         dt = DTYPES[name]
-        target, d = policy.to(dt), draft.to(dt)
+        # copies cast to the dtype (one deepcopy keeps the draft's embedding shared with the target),
+        # so no arm runs on weights another dtype has rounded, whatever the order of `dtypes`
+        target, d = (m.to(dt) for m in copy.deepcopy((policy, draft)))
         for temperature in (0.0, 1.0):
             p = dataclasses.replace(params, temperature=temperature)
             plain = EmbeddedEngine(target, EngineConfig(max_batch=batch)).generate(prompts, p)
@@ -78,7 +81,6 @@ def bench_precision(task_name: str, preset_name: str, out_dir, *, seed: int = 0,
                 log(f"[bench precision] {name} {row['decoding']:<17} {mode:<5}: sequences identical "
                     f"{row['sequences_identical']:.3f}, tokens differing {row['tokens_differing']:.4f}, "
                     f"log-prob gap {row['logprob_gap_max']:.2e}")
-    policy.float(), draft.float()
     return save_summary(out_dir, {"benchmark": "precision", "task": task_name, "preset": preset_name,
                                   "prompts": n_prompts, "batch": batch, "device": str(next(policy.parameters()).device),
                                   "rows": rows})
