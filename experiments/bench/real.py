@@ -26,7 +26,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams, accept_length
 from rollout.speculative import SpecConfig, Speculator
 from specrl.config import DraftTrainConfig
-from target_training.real_models import hf_folder, load_real_target
+from target_training.real_models import load_real_target, real_hf_model
 from target_training.sft import default_cache_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -85,7 +85,6 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
                cache_dir=None, log=print) -> dict:
     """Plain decoding per dtype (and HF generate); with `eagle3`, also EAGLE-3 chains of `gamma` in
     fp32 with the model's cached offline draft (REAL_DRAFT, `draft_steps` training steps)."""
-    from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
     cache_dir = cache_dir or default_cache_dir()
@@ -104,8 +103,7 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
             arms["eagle3-fp32"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len),
                                                  speculator=Speculator(draft, SpecConfig(mode="chain", gamma=gamma)))
     if hf:
-        hf_model = AutoModelForCausalLM.from_pretrained(hf_folder(model_name, cache_dir, log=log), dtype=torch.float32,
-                                                        local_files_only=True)
+        hf_model, _ = real_hf_model(model_name, cache_dir, log=log)
         arms["hf-generate-fp32"] = HFGenerate(hf_model, tok.pad_token_id if tok.pad_token_id is not None else 0)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     rows = []
