@@ -28,9 +28,10 @@ This module keeps the policy wrapper, its feature taps and the GRPO step; the co
 CPU shims and the converters live in `megatron_config`, `megatron_cpu` and `megatron_convert`,
 and their public names are re-exported here.
 
-CPU: Megatron-core 0.16 assumes CUDA in a few places even with use_cpu_initialization. On a
-machine without CUDA, `initialize_parallel` and `build` install narrow shims, each for one
-hard-coded line, and nothing else changes:
+CPU: Megatron-core 0.16 assumes CUDA in a few places even with use_cpu_initialization. For a
+policy built for CPU (`MegatronConfig.device == "cpu"`, whether or not the machine has CUDA),
+`initialize_parallel` and `build` install narrow shims, each for one hard-coded line, and
+nothing else changes (a "cuda" config installs none of them):
   1. `RotaryEmbedding.get_emb` moves `inv_freq` to `torch.cuda.current_device()`;
   2. `Router.gating` moves the router weight to CUDA, and `router_gating_linear` references the
      Transformer-Engine GEMM unguarded (NameError without TE): the shim is the same linear map;
@@ -39,7 +40,7 @@ hard-coded line, and nothing else changes:
      a tracker with the same interface forks the CPU generator instead;
   5. `get_default_causal_mask` builds its mask on "cuda": `MegatronPolicy` always passes an
      explicit causal mask instead;
-  6. the "alltoall" token dispatcher creates a `torch.cuda.Stream`: CPU runs use "allgather".
+  6. the "alltoall" token dispatcher creates a `torch.cuda.Stream`: CPU configs use "allgather".
 With these, forward, backward and torch-optimizer steps run on CPU in fp32. Megatron's own
 optimizer (`get_megatron_optimizer` over its DistributedDataParallel grad buffers) targets CUDA
 and is exercised only by the GPU test.

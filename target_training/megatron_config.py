@@ -5,12 +5,16 @@ Why its own module: the translation from specrl's `MoEConfig` (RMSNorm, SwiGLU a
 gated_linear_unit + silu, GQA as num_query_groups, QK-norm, RoPE, top-k softmax router with the
 Switch load-balancing loss, dense first layer through moe_layer_freq, untied embeddings) is one
 concept, used by `megatron_backend` (the policy wrapper) and by anyone building a GPTModel that
-must match specrl's reference model. On a machine without CUDA the build and the parallel-state
-setup install the shims of `target_training.megatron_cpu`.
+must match specrl's reference model.
+
+Device: every CPU/CUDA decision (use_cpu_initialization, the shims of `target_training.megatron_cpu`,
+Megatron's memory buffer and RNG tracker, the process-group backend) follows
+`MegatronConfig.device`, the device the policy is built for, never whether CUDA happens to exist:
+a CPU build on a CUDA machine stays on CPU. Only the field's default looks at the machine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +24,12 @@ from target_training.megatron_cpu import _cpu_memory_buffer, _install_cpu_rng_tr
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DISPATCHERS = ("allgather", "alltoall")
+_DEVICES = ("cpu", "cuda")
+_PARALLEL = {"device": None}  # the device initialize_parallel set Megatron's parallel state up for
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _is_dense_layer(cfg: MoEConfig, i: int) -> bool:
@@ -60,8 +70,12 @@ class MegatronConfig:
     params_dtype: str = "float32"  # float32 | bfloat16 | float16
     token_dispatcher: str = "allgather"  # "alltoall" is faster with expert parallelism, CUDA only
     seed: int = 1234
+    # "cpu" | "cuda" (Megatron builds on torch.cuda.current_device(); the launcher sets it per rank)
+    device: str = field(default_factory=_default_device)
 
     def __post_init__(self) -> None:
+        if self.device not in _DEVICES:
+            raise MegatronBackendError(f"MegatronConfig.device must be one of {list(_DEVICES)}, got {self.device!r}")
         for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -75,6 +89,10 @@ class MegatronConfig:
         if self.token_dispatcher not in _DISPATCHERS:
             raise MegatronBackendError(f"MegatronConfig.token_dispatcher must be one of {list(_DISPATCHERS)}, "
                                        f"got {self.token_dispatcher!r}")
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.device == "cpu"
 
     def check(self, moe: MoEConfig) -> None:
         """Layout constraints that involve the model's sizes, and architecture options (from other
@@ -93,8 +111,8 @@ class MegatronConfig:
         if moe.vocab_size % self.tensor_parallel:
             raise MegatronBackendError(f"MoEConfig.vocab_size ({moe.vocab_size}) must be divisible by "
                                        f"MegatronConfig.tensor_parallel ({self.tensor_parallel})")
-        if self.token_dispatcher == "alltoall" and not torch.cuda.is_available():
-            raise MegatronBackendError("MegatronConfig.token_dispatcher 'alltoall' needs CUDA "
+        if self.token_dispatcher == "alltoall" and self.on_cpu:
+            raise MegatronBackendError("MegatronConfig.token_dispatcher 'alltoall' needs device 'cuda' "
                                        "(it creates a torch.cuda.Stream); use 'allgather' on CPU")
 
     def transformer_config(self, moe: MoEConfig):
@@ -103,7 +121,6 @@ class MegatronConfig:
         _megatron()
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        cpu = not torch.cuda.is_available()
         moe_layer_freq = [0 if _is_dense_layer(moe, i) else 1 for i in range(moe.num_layers)]
         return TransformerConfig(
             num_layers=moe.num_layers,
@@ -144,7 +161,7 @@ class MegatronConfig:
             params_dtype=_DTYPES[self.params_dtype],
             bf16=self.params_dtype == "bfloat16",
             fp16=self.params_dtype == "float16",
-            use_cpu_initialization=cpu,
+            use_cpu_initialization=self.on_cpu,
             # fused kernels are CUDA/Apex only
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
@@ -162,6 +179,11 @@ class MegatronConfig:
         if not mcore.parallel_state.model_parallel_is_initialized():
             raise MegatronBackendError("Megatron parallel state is not initialised; call "
                                        "megatron_backend.initialize_parallel(config) first")
+        _check_cuda(self)
+        if _PARALLEL["device"] not in (None, self.device):
+            raise MegatronBackendError(f"Megatron parallel state was initialised for device "
+                                       f"{_PARALLEL['device']!r}, this build is for {self.device!r}; call "
+                                       f"destroy_parallel() and initialize_parallel(config) first")
         tcfg = self.transformer_config(moe)
         # Per-layer local specs (get_gpt_layer_local_spec with num_experts=None for the dense first
         # layer, num_experts=E, moe_grouped_gemm=False, qk_layernorm=True for the MoE layers).
@@ -171,37 +193,55 @@ class MegatronConfig:
                          rotary_percent=1.0, rotary_base=int(moe.rope_theta),
                          share_embeddings_and_output_weights=moe.tie_embeddings,
                          pre_process=True, post_process=True)
-        if not torch.cuda.is_available():
+        if self.on_cpu:
             _patch_model_for_cpu(model)
         return model
 
 
-def initialize_parallel(config: MegatronConfig) -> None:
-    """Megatron's process groups on the current torch.distributed group, and its RNG trackers.
+def _check_cuda(config: MegatronConfig) -> None:
+    if not config.on_cpu and not torch.cuda.is_available():
+        raise MegatronBackendError("MegatronConfig.device is 'cuda' but CUDA is not available")
 
-    torch.distributed must already be initialised (gloo on CPU, nccl on GPU); the world size
-    must be a multiple of tensor_parallel and of expert_parallel. Idempotent."""
+
+def initialize_parallel(config: MegatronConfig) -> None:
+    """Megatron's process groups on the current torch.distributed group, and its RNG trackers,
+    for `config.device`.
+
+    torch.distributed must already be initialised with a backend for that device (gloo for
+    "cpu", nccl for "cuda"; a mixed "cpu:gloo,cuda:nccl" serves both); the world size must be a
+    multiple of tensor_parallel and of expert_parallel. Idempotent for the same device."""
     mcore = _megatron()
     ps = mcore.parallel_state
+    _check_cuda(config)
     if not torch.distributed.is_initialized():
-        raise MegatronBackendError("torch.distributed is not initialised; call "
-                                   "torch.distributed.init_process_group first (gloo on CPU)")
+        raise MegatronBackendError("torch.distributed is not initialised; call torch.distributed."
+                                   "init_process_group first (gloo for device 'cpu', nccl for 'cuda')")
+    backend = str(torch.distributed.get_backend())
+    need = "gloo" if config.on_cpu else "nccl"
+    if need not in backend:
+        raise MegatronBackendError(f"MegatronConfig.device {config.device!r} needs a {need} process group, "
+                                   f"torch.distributed was initialised with {backend!r}")
     world = torch.distributed.get_world_size()
     for name in ("tensor_parallel", "expert_parallel"):
         if world % getattr(config, name):
             raise MegatronBackendError(f"world size {world} is not a multiple of MegatronConfig.{name} "
                                        f"({getattr(config, name)})")
     if ps.model_parallel_is_initialized():
+        if _PARALLEL["device"] not in (None, config.device):
+            raise MegatronBackendError(f"Megatron parallel state is already initialised for device "
+                                       f"{_PARALLEL['device']!r}, not {config.device!r}; call destroy_parallel() first")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=config.tensor_parallel,
                                  pipeline_model_parallel_size=1,
                                  expert_model_parallel_size=config.expert_parallel)
-    if torch.cuda.is_available():
-        mcore.tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-    else:
+    if config.on_cpu:
         ps._GLOBAL_MEMORY_BUFFER = _cpu_memory_buffer()  # shim 3
         _install_cpu_rng_tracker(config.seed)  # shim 4
+    else:
+        mcore.tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+    _PARALLEL["device"] = config.device
 
 
 def destroy_parallel() -> None:
     _megatron().parallel_state.destroy_model_parallel()
+    _PARALLEL["device"] = None

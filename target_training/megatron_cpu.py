@@ -1,5 +1,6 @@
 """CPU shims for Megatron-core 0.16, so the Megatron backend runs forward, backward and optimizer
-steps on a machine without CUDA (fp32).
+steps on CPU (fp32) when the policy is built for CPU (`MegatronConfig.device == "cpu"`), whether
+or not the machine has CUDA.
 
 Why: Megatron-core assumes CUDA in a few hard-coded lines even with use_cpu_initialization. Each
 shim replaces one of them and nothing else (numbers as in target_training/megatron_backend.py):
@@ -7,7 +8,8 @@ shim replaces one of them and nothing else (numbers as in target_training/megatr
   2. `Router.gating` moves the router weight to CUDA and calls the Transformer-Engine GEMM;
   3. `GlobalMemoryBuffer.get_tensor` (the attention score buffer) allocates on CUDA;
   4. the RNG tracker (`CudaRNGStatesTracker.add/fork`) saves CUDA RNG states.
-Installed by `megatron_config.MegatronConfig.build` and `megatron_config.initialize_parallel`.
+Installed by `megatron_config.MegatronConfig.build` and `megatron_config.initialize_parallel`
+for a CPU config only; a CUDA config uses Megatron's own code paths.
 """
 from __future__ import annotations
 

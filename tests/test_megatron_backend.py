@@ -1,19 +1,25 @@
 """Megatron-core backend: config translation, CPU build, exact weight conversion, forward and
 gradient equality with specrl's MoETransformer, EAGLE-3 taps, GRPO steps.
 
-CPU tests run Megatron on a single-process gloo group (world size 1); the GPU test also runs
-Megatron's distributed optimizer. Tolerances (fp32): logits, taps and hidden states
+CPU tests build for device "cpu" explicitly and run Megatron on a single-process gloo group (world
+size 1), so they stay on CPU on a machine with CUDA too; the GPU test runs in a process of its own
+with an NCCL group and device "cuda", and also runs Megatron's distributed optimizer.
+megatron-core is not optional here: the lane that runs this module installs it (the `dist` extra
+of tests/run.sh's base lane), so a missing or broken install fails the module instead of
+skipping it. Tolerances (fp32): logits, taps and hidden states
 max |diff| <= 1e-5; gradients <= 1e-5 absolute + 1e-4 relative; GRPO losses per step <= 1e-5;
 weights after 3 AdamW steps within 5% of the learning rate (see test_grpo_trainer_steps_match).
 """
+import json
 import os
 import socket
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-
-pytest.importorskip("megatron.core")
 
 from target_training.config import model_config_for
 from target_training.grpo import GRPOConfig, GRPOTrainer, group_advantages, grpo_loss, pack_batch, token_logprobs
@@ -23,12 +29,20 @@ from target_training.megatron_backend import (
     MegatronBackendError,
     MegatronConfig,
     MegatronPolicy,
+    destroy_parallel,
     grpo_step,
     initialize_parallel,
     load_megatron_weights,
     megatron_to_specrl,
     specrl_to_megatron,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cpu_config(**kw) -> MegatronConfig:
+    """The CPU tests' layout: built for CPU whatever the machine has."""
+    return MegatronConfig(device="cpu", **kw)
 
 
 def _free_port() -> int:
@@ -39,21 +53,20 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def mcore():
-    """Single-process gloo group + Megatron parallel state, torn down after this module."""
+    """Single-process gloo group + Megatron parallel state for CPU, torn down after this module."""
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     own = not dist.is_initialized()
     if own:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(_free_port())
         dist.init_process_group("gloo", rank=0, world_size=1)
-    initialize_parallel(MegatronConfig())
+    initialize_parallel(cpu_config())
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     if own:
         dist.destroy_process_group()
 
@@ -68,7 +81,7 @@ def pair(mcore):
         for name, p in ref.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
-    model = MegatronConfig().build(cfg)
+    model = cpu_config().build(cfg)
     load_megatron_weights(model, specrl_to_megatron(ref.state_dict(), cfg))
     return cfg, ref, MegatronPolicy(model, cfg).eval()
 
@@ -80,7 +93,7 @@ def _ids(B=3, T=12, seed=1):
 # ------------------------------------------------------------------ config translation
 def test_transformer_config_translation():
     cfg = model_config_for("tiny", 64)
-    t = MegatronConfig(expert_parallel=2).transformer_config(cfg)
+    t = cpu_config(expert_parallel=2).transformer_config(cfg)
     assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_query_groups, t.kv_channels) == (4, 64, 4, 2, 16)
     assert (t.num_moe_experts, t.moe_router_topk, t.moe_ffn_hidden_size, t.ffn_hidden_size) == (4, 2, 64, 128)
     assert t.moe_aux_loss_coeff == cfg.router_aux_loss_coef and t.moe_router_load_balancing_type == "aux_loss"
@@ -90,23 +103,25 @@ def test_transformer_config_translation():
     assert t.moe_router_pre_softmax is False  # norm_topk_prob=True
     cfg2 = model_config_for("tiny", 64)
     cfg2.norm_topk_prob, cfg2.dense_first_layer = False, False
-    t2 = MegatronConfig().transformer_config(cfg2)
+    t2 = cpu_config().transformer_config(cfg2)
     assert t2.moe_router_pre_softmax is True and t2.moe_layer_freq == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("kw", [dict(tensor_parallel=0), dict(expert_parallel=-1), dict(pipeline_parallel=2),
-                                dict(params_dtype="fp8"), dict(token_dispatcher="flex"), dict(tensor_parallel=True)])
+                                dict(params_dtype="fp8"), dict(token_dispatcher="flex"), dict(tensor_parallel=True),
+                                dict(device="tpu"), dict(device="cuda:0")])
 def test_bad_megatron_config(kw):
     with pytest.raises(MegatronBackendError) as e:
         MegatronConfig(**kw)
     assert "\n" not in str(e.value) and "MegatronConfig." in str(e.value)
 
 
-@pytest.mark.parametrize("kw, word", [(dict(tensor_parallel=4), "num_kv_heads"), (dict(expert_parallel=3), "num_experts")]
-                         + ([] if torch.cuda.is_available() else [(dict(token_dispatcher="alltoall"), "CUDA")]))
+@pytest.mark.parametrize("kw, word", [(dict(tensor_parallel=4), "num_kv_heads"),
+                                      (dict(expert_parallel=3), "num_experts"),
+                                      (dict(token_dispatcher="alltoall"), "needs device 'cuda'")])
 def test_layout_checks(kw, word):
     with pytest.raises(MegatronBackendError, match=word) as e:
-        MegatronConfig(**kw).transformer_config(model_config_for("tiny", 64))
+        cpu_config(**kw).transformer_config(model_config_for("tiny", 64))
     assert "\n" not in str(e.value)
 
 
@@ -211,7 +226,7 @@ def test_grpo_trainer_steps_match(mcore):
     cfg = model_config_for("tiny", 64)
     torch.manual_seed(3)
     ref = cfg.build().eval()
-    model = MegatronConfig().build(cfg)
+    model = cpu_config().build(cfg)
     load_megatron_weights(model, specrl_to_megatron(ref.state_dict(), cfg))
     pol = MegatronPolicy(model, cfg).eval()
     gcfg = GRPOConfig(lr=1e-3)
@@ -232,30 +247,109 @@ def test_grpo_trainer_steps_match(mcore):
 
 
 # ------------------------------------------------------------------ GPU: Megatron's optimizer
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Megatron's DDP grad buffers and optimizer)")
-def test_gpu_grpo_steps_with_megatron_optimizer(mcore):
+def _gpu_worker(out_dir: str) -> None:
+    """The GPU test's body, in a process of its own: an NCCL group and Megatron's parallel state
+    for device "cuda" (this module's fixture holds a gloo group set up for CPU)."""
+    import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"file://{out_dir}/rendezvous", rank=0, world_size=1)
+    mcfg = MegatronConfig(device="cuda")
+    initialize_parallel(mcfg)
     cfg = model_config_for("tiny", 64)
     torch.manual_seed(0)
     ref = cfg.build()
-    mcfg = MegatronConfig()
-    model = mcfg.build(cfg).cuda()
+    model = mcfg.build(cfg)
+    assert not mcfg.transformer_config(cfg).use_cpu_initialization
+    assert all(p.is_cuda for p in model.parameters()), "a CUDA build must put its weights on the GPU"
+    assert "get_emb" not in vars(model.rotary_pos_emb), "no CPU shim on a CUDA build"
     load_megatron_weights(model, {k: v.cuda() for k, v in specrl_to_megatron(ref.state_dict(), cfg).items()})
+    ref = ref.cuda().eval()
+    pol = MegatronPolicy(model, cfg).eval()
+    ids = _ids().cuda()
+    with torch.no_grad():
+        out = pol(ids)
+        diff = (out.logits - ref(ids).logits).abs().max().item()
+    assert out.logits.is_cuda and diff <= 1e-4, diff
+    pol.train()
     ddp = DistributedDataParallel(mcfg.transformer_config(cfg), DistributedDataParallelConfig(), module=model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, clip_grad=1.0), [ddp])
-    pol = MegatronPolicy(ddp.module, cfg)
     losses = []
     trajs = _trajs()
-    for _ in range(4):
+    for _ in range(4):  # grpo_update moves the packed ids to the policy's device (the GPU)
         m = grpo_step(pol, opt, trajs, [0, 0, 1, 1, 1, 0, 0, 1], 4, GRPOConfig(lr=1e-3),
                       before_backward=ddp.zero_grad_buffer)
         losses.append(m["loss"])
-        assert torch.isfinite(torch.tensor(m["loss"]))
     moved = megatron_to_specrl({k: v.cpu() for k, v in model.state_dict().items()}, cfg)
-    assert any(not torch.equal(moved[k], v) for k, v in ref.state_dict().items())
+    start = {k: v.cpu() for k, v in ref.state_dict().items()}
+    result = {"backend": str(dist.get_backend()), "losses": losses,
+              "moved": any(not torch.equal(moved[k], v) for k, v in start.items())}
+    (Path(out_dir) / "gpu.json").write_text(json.dumps(result))
+    destroy_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (Megatron's DDP grad buffers and optimizer)")
+def test_gpu_grpo_steps_with_megatron_optimizer(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    proc = subprocess.run([sys.executable, __file__, "gpu-worker", str(tmp_path)], env=env, timeout=600,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.returncode == 0, proc.stdout.decode()[-3000:]
+    result = json.loads((tmp_path / "gpu.json").read_text())
+    assert result["backend"] == "nccl"
+    assert len(result["losses"]) == 4 and all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["moved"]
+
+
+# ------------------------------------------------------------------ device keying
+def test_cpu_build_stays_on_cpu_where_cuda_exists(pair, monkeypatch):
+    """Every CPU/CUDA decision follows MegatronConfig.device: with CUDA reported present, a CPU
+    config still initialises CPU parallel state, builds on CPU with the shims, and runs."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe.router import Router
+
+    cfg, ref, _ = pair
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert MegatronConfig().device == "cuda"  # the default alone looks at the machine
+    mcfg = cpu_config()
+    assert mcfg.transformer_config(cfg).use_cpu_initialization
+    destroy_parallel()
+    try:
+        initialize_parallel(mcfg)
+        assert type(parallel_state._GLOBAL_MEMORY_BUFFER).__name__ == "CpuMemoryBuffer"  # shim 3
+        assert type(mrandom.get_cuda_rng_tracker()).__name__ == "CpuRNGStatesTracker"  # shim 4
+        model = mcfg.build(cfg)
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert "get_emb" in vars(model.rotary_pos_emb)  # shim 1
+        routers = [m for m in model.modules() if isinstance(m, Router)]
+        assert routers and all("gating" in vars(m) for m in routers)  # shim 2
+        load_megatron_weights(model, specrl_to_megatron(ref.state_dict(), cfg))
+        with torch.no_grad():
+            diff = (ref(_ids()).logits - MegatronPolicy(model, cfg)(_ids()).logits).abs().max().item()
+        assert diff <= 1e-5
+    finally:
+        monkeypatch.undo()
+        destroy_parallel()
+        initialize_parallel(cpu_config())
+
+
+def test_cuda_config_never_takes_the_cpu_path(mcore, monkeypatch):
+    """A CUDA config: no CPU initialisation, no gloo group, no parallel state set up for CPU."""
+    cfg = model_config_for("tiny", 64)
+    cuda = MegatronConfig(device="cuda", token_dispatcher="alltoall")
+    assert not cuda.transformer_config(cfg).use_cpu_initialization
+    if not torch.cuda.is_available():
+        with pytest.raises(MegatronBackendError, match="CUDA is not available"):
+            cuda.build(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(MegatronBackendError, match="needs a nccl process group, .* 'gloo'"):
+        initialize_parallel(cuda)
+    with pytest.raises(MegatronBackendError, match="initialised for device 'cpu', this build is for 'cuda'"):
+        cuda.build(cfg)
 
 
 # ------------------------------------------------------------------ other model families
@@ -264,16 +358,20 @@ def test_family_options(mcore):
     from target_training.config import MoEConfig
 
     cfg = MoEConfig(**{**model_config_for("tiny", 64).to_dict(), "qk_norm": False, "dense_layers": (2,)})
-    t = MegatronConfig().transformer_config(cfg)
+    t = cpu_config().transformer_config(cfg)
     assert t.moe_layer_freq == [0, 1, 0, 1] and not t.qk_layernorm
     torch.manual_seed(0)
     ref = cfg.build().eval()
-    model = MegatronConfig().build(cfg)
+    model = cpu_config().build(cfg)
     load_megatron_weights(model, specrl_to_megatron(ref.state_dict(), cfg))
     with torch.no_grad():
         diff = (ref(_ids()).logits - MegatronPolicy(model, cfg)(_ids()).logits).abs().max().item()
     assert diff <= 1e-5
     bad = MoEConfig(**{**model_config_for("tiny", 64).to_dict(), "attention_bias": True})
     with pytest.raises(MegatronBackendError, match="attention_bias") as e:
-        MegatronConfig().transformer_config(bad)
+        cpu_config().transformer_config(bad)
     assert "\n" not in str(e.value)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["gpu-worker"]:
+    _gpu_worker(sys.argv[2])

@@ -13,7 +13,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import astuple, fields
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -35,8 +35,23 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_spec_info_field_names_match_slime():
-    assert tuple(f.name for f in fields(Sample.SpecInfo)) == sl.SPEC_INFO_FIELDS
+def test_spec_info_counters_fill_slime_spec_info():
+    """What specrl writes into `sample.spec_info` (`spec_info_delta`, `add_spec_info`) is exactly
+    slime's `Sample.SpecInfo`: its field names, with the counters of the SGLang reply, speculating
+    or not. `Sample` here is a hand-written copy of the upstream interface (tests/slime_sample.py);
+    the miles lane test tests/test_upstream_miles.py::test_generate_fills_miles_sample checks the
+    real one (Miles' `Sample`)."""
+    names = {f.name for f in fields(Sample.SpecInfo)}
+    spec = load_fixture("generate_batch.json")[0]["meta_info"]  # 1 of 2 drafts accepted, 2 verify steps, 4 tokens
+    no_spec = load_fixture("meta_no_spec.json")  # 5 tokens, no speculation
+    for meta, want in ((spec, (1, 2, 2, 4)), (no_spec, (0, 0, 0, 5))):
+        delta = sl.spec_info_delta(meta)
+        assert delta.keys() == names
+        assert astuple(Sample.SpecInfo(**delta)) == want  # want: slime's field order
+        sample = Sample()
+        sl.add_spec_info(sample, meta)
+        sl.add_spec_info(sample, meta)  # a resumed partial rollout adds to the counters
+        assert vars(sample.spec_info).keys() == names and astuple(sample.spec_info) == tuple(2 * w for w in want)
 
 
 # ------------------------------------------------------------------ custom generate function
