@@ -34,6 +34,7 @@ from rollout.profile import StepProfiler, tick
 from rollout.proposer import SpecStep
 from rollout.protocol import SamplingParams, SpecStats, Trajectory
 from rollout.sampling import policy_logprobs, process_logits, sample
+from rollout.transfer import download, hand_back, settle, upload
 from rollout.verify import SpecSampling, Verdict, verify
 from target_training.model import MOE_DISPATCHES, KVCache, ModelOutput, MoETransformer
 
@@ -48,13 +49,6 @@ class PromptTooLongError(ValueError):
 def cached_len(states) -> int:
     """The longest target KV cache among these requests, from the host (`SlotState.n_cached`)."""
     return max(s.n_cached for s in states)
-
-
-def hand_back(*columns: torch.Tensor) -> list[list[float]]:
-    """A step's results, columns (B,) or (B, k) side by side, read to the host in one transfer:
-    the step's hand-back, a sync on an accelerator. float64 holds every token id and count
-    exactly (integers below 2**53) next to the log-probs."""
-    return torch.cat([c.reshape(c.shape[0], -1).double() for c in columns], 1).tolist()
 
 
 def rng_seed(seed: int, request_ids: Sequence[int]) -> int:
@@ -150,6 +144,7 @@ class Prefill:
     slots: torch.Tensor  # (B,) cache slots
     ids: torch.Tensor  # (B, T) prompts, right-padded
     lens: torch.Tensor  # (B,) prompt lengths
+    request_ids: torch.Tensor  # (B,)
     states: list[SlotState]
     slot_list: list[int]  # `slots` on the host
     done: bool = False
@@ -275,7 +270,7 @@ class EmbeddedEngine:
                         spec.observe(len(active), time.perf_counter() - t_step, result, fused=prefill is not None)
                         kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
-                        cache.rollback(torch.tensor(active), torch.tensor(lengths))
+                        cache.rollback(*upload(active, lengths, device=cache.lengths.device))
                         spec.on_fault(err)
                         self._decode_step(run, active, act_states, None if prefill is None or prefill.done else prefill)
                         kind = "fault"
@@ -302,6 +297,8 @@ class EmbeddedEngine:
                            "engine_steps": steps, "spec_steps": spec_steps, "full_batch_s": phase_s["full"],
                            "tail_s": phase_s["tail"], "spec_faults": int(spec is not None and spec.faulted),
                            "spec_saved_s": spec.saved_s if spec is not None else None}
+        if capture_features:
+            settle(self.device)  # the features' copies to the host (`download`) have landed
         return [self._to_trajectory(s, capture_features) for s in states]
 
     # -- internals ------------------------------------------------------------------------
@@ -336,10 +333,10 @@ class EmbeddedEngine:
     def _plan_prefill(self, admit) -> "Prefill":
         """The admitted prompts as one right-padded block, built on the host and uploaded."""
         width = max(len(s.prompt) for _, s in admit)
-        ids = torch.tensor([s.prompt + [0] * (width - len(s.prompt)) for _, s in admit], device=self.device)
-        slot_ids = torch.tensor([i for i, _ in admit], device=self.device)
-        lens = torch.tensor([len(s.prompt) for _, s in admit], device=self.device)
-        return Prefill(slot_ids, ids, lens, [s for _, s in admit], [i for i, _ in admit])
+        ids, slot_ids, lens, rids = upload([s.prompt + [0] * (width - len(s.prompt)) for _, s in admit],
+                                           [i for i, _ in admit], [len(s.prompt) for _, s in admit],
+                                           [s.request_id for _, s in admit], device=self.device)
+        return Prefill(slot_ids, ids, lens, rids, [s for _, s in admit], [i for i, _ in admit])
 
     def _can_fuse(self, cache: KVCache, states: list[SlotState], prefill: "Prefill", slack: int,
                   width: int = 1) -> bool:
@@ -374,12 +371,13 @@ class EmbeddedEngine:
         if run.capture or (spec is not None and spec.proposer.uses_features):
             feats = out.features(self.model.cfg.feature_layer_ids)[rows]  # (B, T, 3H)
             if run.capture:
+                on_host = download(feats, torch.float16)  # (B, T, 3H)
                 for r, s in enumerate(prefill.states):
-                    s.features.append(feats[r, : len(s.prompt)].to(torch.float16).cpu())
+                    s.features.append(on_host[r, : len(s.prompt)])
         if spec is not None:
             spec.proposer.prefilled(prefill.slot_list, feats, [len(s.prompt) for s in prefill.states])
         prefill.done = True
-        self._emit(prefill.states, last_logits, run.params)
+        self._emit(prefill.states, last_logits, run.params, prefill.request_ids, torch.zeros_like(lens))
 
     def forward(self, run: _Run, slots: torch.Tensor, ids: torch.Tensor, prefill: "Prefill | None" = None, *,
                 positions=None, attn_mask=None, key_len: int | None = None) -> ModelOutput:
@@ -426,18 +424,19 @@ class EmbeddedEngine:
 
     def _decode_step(self, run: _Run, active: list[int], states: list[SlotState],
                      prefill: "Prefill | None" = None) -> None:
-        slot_ids = torch.tensor(active, device=self.device)
-        ids = torch.tensor([[s.last_token] for s in states], device=self.device)
+        # the step's host values in one copy: slots, last tokens, request ids and token counts (sampling)
+        slot_ids, ids, rids, n_tokens = upload(active, [[s.last_token] for s in states], [s.request_id for s in states],
+                                               [len(s.tokens) for s in states], device=self.device)
         out = self.forward(run, slot_ids, ids, prefill, key_len=cached_len(states) + 1)
         tick(self.profiler, "forward")
         if run.capture:
-            feats = out.features(self.model.cfg.feature_layer_ids)
+            on_host = download(out.features(self.model.cfg.feature_layer_ids), torch.float16)  # (B, 1, 3H)
             for r, s in enumerate(states):
-                s.features.append(feats[r].to(torch.float16).cpu())
+                s.features.append(on_host[r])
         if run.spec is not None:
             run.spec.proposer.decoded(active, out)
         tick(self.profiler, "features")
-        self._emit(states, out.logits[:, -1], run.params)
+        self._emit(states, out.logits[:, -1], run.params, rids, n_tokens)
         tick(self.profiler, "emit")
 
     def _spec_step(self, run: _Run, active: list[int], states: list[SlotState],
@@ -454,15 +453,16 @@ class EmbeddedEngine:
         A failure of the target's verify forward is the target's, not a draft fault: it is marked
         (`SpecSession.target_error`) and the session raises it again, out of `generate`."""
         spec, cache = run.spec, run.cache
-        slots = torch.tensor(active, device=cache.lengths.device)
+        # the step's host values in one copy: slots, last tokens x_L, request ids, and the index of each x_{L+1}
+        slots, roots, rids, first_steps = upload(active, [s.last_token for s in states], [s.request_id for s in states],
+                                                 [len(s.tokens) for s in states], device=cache.lengths.device)
         L = cache.lengths[slots]  # (B,)
         depth = spec.depth()  # the caches carry `block_slack` spare positions for the verify block
         prof = self.profiler
         if prof is not None:
             prof.set_gamma(depth)
-        sampling = SpecSampling(run.params, depth, states, sampling_mode=self.config.sampling_mode,
-                                generator=self.generator, device=self.device, vocab_size=self.model.cfg.vocab_size)
-        roots = torch.tensor([s.last_token for s in states], device=slots.device)  # x_L
+        sampling = SpecSampling(run.params, depth, rids, first_steps, sampling_mode=self.config.sampling_mode,
+                                generator=self.generator, vocab_size=self.model.cfg.vocab_size)
         # every block's key length comes from the host (`cached_len`, KVCache.begin_block)
         step = SpecStep(active=active, slots=slots, lengths=L, roots=roots, states=states, key_len=cached_len(states),
                         depth=depth, sampling=sampling, profiler=prof)
@@ -495,6 +495,7 @@ class EmbeddedEngine:
         per_row_depths = isinstance(v.drafted_depths, torch.Tensor)
         columns = (v.emitted, v.counts, health.expand(B), v.logprobs) + ((v.drafted_depths,) if per_row_depths else ())
         rows = hand_back(*columns)  # (B, 2W + 2), plus a last column for a tree's drafted depths
+        on_host = download(v.features, torch.float16) if run.capture else None  # (B, W, 3H)
         if not rows[0][W + 1] < math.inf:  # NaN or +inf
             raise FloatingPointError("draft produced NaN or infinite logits")
         counts = [int(row[W]) for row in rows]
@@ -504,7 +505,7 @@ class EmbeddedEngine:
             lp_row = row[W + 2:2 * W + 2]
             drafted_depth = int(row[-1]) if per_row_depths else v.drafted_depths
             if run.capture:
-                st.features.append(v.features[r, :k].to(torch.float16).cpu())
+                st.features.append(on_host[r, :k])
             if st.spec is not None:
                 st.spec.record(drafted_depth, k - 1)
             emitted_total += k
@@ -523,16 +524,16 @@ class EmbeddedEngine:
         wanted = run.capture or (spec is not None and spec.proposer.uses_features)
         return self.model.cfg.feature_layer_ids if wanted else ()
 
-    def _emit(self, states: list[SlotState], logits: torch.Tensor, params: SamplingParams) -> None:
-        """Sample one token per state from logits (B, V) and append it."""
+    def _emit(self, states: list[SlotState], logits: torch.Tensor, params: SamplingParams, request_ids: torch.Tensor,
+              n_tokens: torch.Tensor) -> None:
+        """Sample one token per state from logits (B, V) and append it (request ids and token
+        counts (B,) on the device: the coupled noise's keys)."""
         logp = process_logits(logits, params.temperature, params.top_k, params.top_p)
         if params.greedy:
             tok = logp.argmax(-1)
         else:
-            rids = torch.tensor([s.request_id for s in states], device=logits.device)
-            steps = torch.tensor([len(s.tokens) for s in states], device=logits.device)
             tok = sample(logp, mode=self.config.sampling_mode, generator=self.generator, seed=params.seed,
-                         request_ids=rids, steps=steps)
+                         request_ids=request_ids, steps=n_tokens)
         lp = policy_logprobs(logits, params.temperature).gather(-1, tok[:, None])[:, 0]
         for s, (t, l) in zip(states, hand_back(tok, lp)):
             self.append_token(s, int(t), l, params)

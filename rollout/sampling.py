@@ -16,8 +16,8 @@ MASK32 = 0xFFFFFFFF
 _M1, _M2 = 0x7FEB352D, 0x2C1B3C6D  # odd multipliers below 2**31: products stay inside int64
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit avalanche hash on int64 tensors holding values in [0, 2**32)."""
+def _mix32(x):
+    """A 32-bit avalanche hash on int64 tensors (or Python ints) holding values in [0, 2**32)."""
     x = x & MASK32
     x = x ^ (x >> 16)
     x = (x * _M1) & MASK32
@@ -32,7 +32,7 @@ def counter_uniform(seed: int, request_ids: torch.Tensor, steps: torch.Tensor, v
 
     request_ids must broadcast against steps (both int64).
     """
-    key = _mix32(torch.as_tensor(seed & MASK32, dtype=torch.long, device=steps.device) ^ 0x5BD1E995)
+    key = _mix32((seed & MASK32) ^ 0x5BD1E995)  # on the host: nothing to copy to the device
     key = _mix32(key ^ (request_ids.long() & MASK32))
     key = _mix32(key + 0x9E3779B9 ^ (steps.long() & MASK32))
     idx = torch.arange(vocab, device=steps.device, dtype=torch.long)

@@ -25,6 +25,7 @@ import torch
 from draft_models.checkpoint import check_draft_against_target, copy_draft_weights
 from rollout.profile import tick
 from rollout.proposer import ChainProposal, Proposer, SpecStep, TreeProposal
+from rollout.transfer import upload
 from rollout.tree import select_nodes
 from rollout.verify import SpecSampling
 
@@ -189,7 +190,7 @@ class Eagle3Proposer:
 
     def prefilled(self, slots: list[int], feats: torch.Tensor | None, lens: list[int]) -> None:
         """Newly admitted prompts (slot ids and lengths on the host): their features await the draft."""
-        self.cache.reset(torch.tensor(slots, device=self.cache.lengths.device))
+        self.cache.reset(*upload(slots, device=self.cache.lengths.device))
         for r, (s, n) in enumerate(zip(slots, lens)):
             self.pending[s] = [feats[r, :n]]
 
@@ -251,20 +252,23 @@ class Eagle3Proposer:
                 # every row padded to the group's longest run: (G, M, 3H) features, (G, M) tokens
                 hidden = torch.nn.utils.rnn.pad_sequence([feats[r] for r in rows], batch_first=True).to(dtype)
                 M = hidden.shape[1]
-                tokens = []
+                tokens = []  # (G, M)
                 for r in rows:  # x_{D+1} .. x_L: sliced from prompt and answer, not a copy of the whole sequence
                     st, lo, n = states[r], D[r] + 1, counts[r]
                     P = len(st.prompt)
                     tokens.append(st.prompt[lo:lo + n] + st.tokens[max(lo - P, 0):max(lo + n - P, 0)] + [0] * (M - n))
-                ids = torch.tensor(tokens, device=slots.device)
-            sel = None if len(groups) == 1 else torch.tensor(rows, device=slots.device)  # (G,) rows of this group
+            # this group's host values in one copy: its rows, their lengths after the feed, their last positions
+            up = upload(rows, [D[r] + counts[r] for r in rows], [counts[r] - 1 for r in rows],
+                        *(() if steady is not None else (tokens,)), device=slots.device)
+            sel, ends, last = None if len(groups) == 1 else up[0], up[1], up[2]  # (G,) each
+            if steady is None:
+                ids = up[3]  # (G, M)
             idx = slots if sel is None else slots[sel]
             tick(self._prof, "draft_features")
             prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx, key_len=max(D[r] for r in rows) + M)
             # the padding's entries are dropped: each row keeps exactly its pending run
-            self.cache.rollback(idx, torch.tensor([D[r] + counts[r] for r in rows], device=slots.device), check=False)
+            self.cache.rollback(idx, ends, check=False)
             ar = torch.arange(len(rows), device=slots.device)
-            last = torch.tensor([counts[r] - 1 for r in rows], device=slots.device)
             h_g, q_g = prenorm[ar, last], self.draft.to_target_logits(logits[ar, last])  # (G, H), (G, V)
             if sel is None:
                 h_last, q_last = h_g, q_g

@@ -16,13 +16,13 @@ forward; the verifier never sees the engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 from rollout import acceptance as acc
 from rollout.profile import tick
-from rollout.proposer import ChainProposal, RequestView, SpecStep, TreeProposal
+from rollout.proposer import ChainProposal, SpecStep, TreeProposal
 from rollout.protocol import SamplingParams
 from rollout.sampling import coupled_noise, policy_logprobs, process_logits
 from rollout.tree import accepted_kv_positions, gather_path, node_depths, tree_attention_mask
@@ -112,11 +112,12 @@ class SpecSampling:
 
     mode: "greedy" (temperature 0), "coupled" (counter-based Gumbel noise keyed by request and
     token index; drafts use the target's noise) or "rejection" (the engine's "rng" sampling:
-    standard speculative sampling with `generator`). The engine builds it: the random generator,
-    the device and the target's vocabulary size are its own."""
+    standard speculative sampling with `generator`). The engine builds it: the random generator
+    and the target's vocabulary size are its own; request ids and the index of each request's
+    next token x_{L+1} (B,) are on the device (the coupled noise's keys)."""
 
-    def __init__(self, params: SamplingParams, depth: int, states: Sequence[RequestView], *, sampling_mode: str,
-                 generator: torch.Generator, device: torch.device, vocab_size: int):
+    def __init__(self, params: SamplingParams, depth: int, request_ids: torch.Tensor, first_steps: torch.Tensor, *,
+                 sampling_mode: str, generator: torch.Generator, vocab_size: int):
         self.params, self.depth = params, depth
         self.generator = generator
         if params.greedy:
@@ -124,9 +125,7 @@ class SpecSampling:
         else:
             self.mode = "coupled" if sampling_mode == "coupled" else "rejection"
         if self.mode == "coupled":  # the noise of tokens x_{L+1} .. x_{L+1+depth}: (B, depth + 1, V)
-            rids = torch.tensor([s.request_id for s in states], device=device)
-            first_step = torch.tensor([len(s.tokens) for s in states], device=device)  # index of x_{L+1}
-            self.noise = coupled_noise(params.seed, rids, first_step, depth + 1, vocab_size)
+            self.noise = coupled_noise(params.seed, request_ids, first_steps, depth + 1, vocab_size)
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probs to draw from. Greedy keeps the full draft distribution (not one-hot) so trees

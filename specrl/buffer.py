@@ -30,6 +30,7 @@ import torch
 
 from draft_models.train import _LOGP_FLOOR
 from draft_models.vocab import restrict_to_draft
+from rollout.transfer import download, settle
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -156,6 +157,10 @@ class FeatureBuffer:
             lg = logits.detach().float()
             logp = restrict_to_draft(lg, d2t.to(lg.device)) - torch.logsumexp(lg, dim=-1, keepdim=True)
             logp = logp.clamp_min(_LOGP_FLOOR).to(torch.float16)
+        if input_ids.device.type != "cpu":  # the batch to the host in one copy per tensor, not one per row
+            input_ids, features, mask = download(input_ids), download(features.detach(), self.feature_dtype), download(mask)
+            logp = None if logp is None else download(logp)
+            settle(response_mask.device)
         pos = torch.arange(T, device=mask.device)
         lengths = (torch.where(mask, pos, torch.full_like(pos, -1)).amax(-1) + 1).tolist()
         stored = 0

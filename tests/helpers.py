@@ -84,10 +84,11 @@ def fill_buffer(cot, model, n: int = 8, T: int = 16, seed: int = 0, version: int
     """Put n random sequences of length T (second half as the response) into a co-trainer's
     feature buffer, through the same path as the policy trainer's log-prob forward."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, 60, (n, T), generator=g)
+    device = model.embed_tokens.weight.device
+    ids = torch.randint(3, 60, (n, T), generator=g).to(device)
     with torch.no_grad():
         out = model(ids, tap_layers=model.cfg.feature_layer_ids)
-    mask = torch.zeros(n, T, dtype=torch.bool)
+    mask = torch.zeros(n, T, dtype=torch.bool, device=device)
     mask[:, T // 2:] = True
     cot.buffer.add_from_trainer_forward(ids, out.features(model.cfg.feature_layer_ids), out.logits, mask,
                                         cot.draft.d2t, version)

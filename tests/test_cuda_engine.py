@@ -1,5 +1,6 @@
 """The embedded engine on CUDA: plain, chain and tree decoding under greedy, coupled and rng
-sampling, with feature capture. Skipped without a GPU.
+sampling, with feature capture; the policy trainer's feature capture and the overlapped draft
+training on its own CUDA stream. Skipped without a GPU.
 
 The CI policy and its offline draft are trained on the CPU (the session fixtures) and copied
 onto the GPU. Greedy and coupled speculation must give plain decoding's tokens there too (fp32,
@@ -15,6 +16,7 @@ from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
 from specrl.rl_setup import encode_prompts
 
+DEVICE = "cuda"
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4),
@@ -110,3 +112,74 @@ def test_rng_sampling_runs_on_cuda(cuda_setup, mode):
     assert engine.draft_faults == []
     assert [t.token_ids for t in again] == [t.token_ids for t in first]
     assert [t.token_ids for t in later] != [t.token_ids for t in first]
+
+
+def test_trainer_forward_capture_on_cuda_gives_the_cpu_records():
+    """The policy trainer's log-prob forward on the GPU (the GRPO and TRL capture path): the batch
+    reaches the buffer in one copy per tensor, and the records equal those of the same tensors
+    captured on the CPU (soft targets to fp16 rounding: logsumexp differs in its last bits)."""
+    from specrl.buffer import FeatureBuffer
+
+    g = torch.Generator().manual_seed(0)
+    B, T, F, V = 4, 12, 24, 64
+    ids = torch.randint(3, V, (B, T), generator=g)
+    feats, logits = torch.randn(B, T, F, generator=g), torch.randn(B, T, V, generator=g)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, 5:9] = True
+    mask[1] = False  # a row without a response is skipped
+    d2t = torch.zeros(32, dtype=torch.long)  # the draft vocabulary: the first 32 target tokens
+    records = []
+    for dev in ("cpu", DEVICE):
+        buf = FeatureBuffer(1 << 24)
+        assert buf.add_from_trainer_forward(ids.to(dev), feats.to(dev), logits.to(dev), mask.to(dev), d2t.to(dev),
+                                            0) == B - 1
+        records.append(list(buf._entries.values()))
+    for cpu, dev in zip(*records):
+        for k in ("input_ids", "features", "loss_mask"):
+            assert dev[k].device.type == "cpu" and torch.equal(cpu[k], dev[k]), k
+        assert cpu["features"].shape == (9, F)  # trimmed after the last response position (index 8)
+        torch.testing.assert_close(cpu["target_logp"].float(), dev["target_logp"].float(), atol=1e-2, rtol=0)
+
+
+def test_overlapped_draft_training_on_a_cuda_stream(tiny_model):
+    """A burst of draft updates on its own CUDA stream, beside the policy update: it trains what
+    the sequential mode trains on the same batches (to float tolerance: GPU backward sums may be
+    ordered differently), and the engine's draft changes only at the step boundary."""
+    from helpers import fill_buffer
+    from specrl.config import CoTrainConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
+    from specrl.cotrain import SpecCoTrainer
+    from specrl.drafts import new_draft
+
+    model = copy.deepcopy(tiny_model).to(DEVICE)
+    draft = new_draft(model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64)).to(DEVICE)
+    cots = []
+    for mode in ("sequential", "overlap"):
+        cfg = CoTrainConfig(mode="online", spec=SpecConfig(gamma=3), min_buffer_records=1, max_draft_steps=3,
+                            online=OnlineDraftConfig(batch_size=4),
+                            scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=600.0, windows=("between",),
+                                                      mode=mode))
+        cot = SpecCoTrainer(copy.deepcopy(draft), cfg).attach(EmbeddedEngine(model))
+        cot.draft.set_target_embedding(model.embed_tokens)
+        cot.speculator.draft.set_target_embedding(model.embed_tokens)
+        fill_buffer(cot, model, n=12)
+        cots.append(cot)
+    seq, ovl = cots
+    if DEVICE == "cuda":
+        assert ovl._overlap._stream is not None
+    start = {k: v.clone() for k, v in ovl.speculator.draft.state_dict().items()}
+    seq.begin_step()
+    assert seq.train_draft()["train/draft_steps"] == 3
+    ovl.begin_step()
+    ovl.train_draft()  # launches the burst on its stream
+    ovl._overlap._thread.join()
+    assert all(torch.equal(v, start[k]) for k, v in ovl.speculator.draft.state_dict().items())
+    ovl.end_step()
+    ovl.begin_step()
+    assert ovl.train_draft()["train/draft_steps"] == 3  # the boundary: collected and swapped in
+    ovl._overlap._thread.join()  # the next burst trains the trainer's copy, not the engine's
+    trained, want = ovl.speculator.draft.state_dict(), seq.draft.state_dict()
+    for k, v in want.items():
+        assert trained[k].device.type == DEVICE
+        torch.testing.assert_close(trained[k], v, atol=1e-5, rtol=1e-4, msg=k)
+    ovl.state_dict()  # collects it
+    ovl.end_step()

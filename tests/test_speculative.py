@@ -1,6 +1,7 @@
 """Losslessness of speculative decoding in the engine: exact for greedy and coupled sampling,
 statistical (with a power check) for rejection sampling, and log-probs equal to plain decoding."""
 import inspect
+import sys
 
 import pytest
 import torch
@@ -332,26 +333,50 @@ def test_bad_prefill_ahead(value):
         EngineConfig(max_batch=4, prefill_ahead=value)
 
 
+TRANSFER_MODULE = "rollout/transfer.py"  # the one place a step copies between host and device
+
+
 class _DeviceReads:
-    """Counts the reads of tensor values into Python (tolist, item, int, bool, float, index) and
-    the ops whose output shape depends on tensor values (nonzero and kin): on an accelerator
-    each one waits for the device. (Indexing with a boolean mask is one too, and is not counted.)"""
+    """Counts a step's host-device traffic by kind; on an accelerator each one costs a copy, and
+    the reads a wait for the device.
+
+    n: reads of tensor values into Python (tolist, item, int, bool, float, index) and ops whose
+       output shape depends on tensor values (nonzero and kin). (Indexing with a boolean mask is
+       one too, and is not counted.)
+    up: tensors built from host data (torch.tensor, as_tensor, from_numpy of non-tensors): each
+       one a copy to the device; `rollout.transfer.upload` is one, however many lists it packs.
+    moves: copies between devices (`.to(device)`, `.cpu()`, `.cuda()`, `.numpy()`); on the CPU every
+       device is the host, so every call that names a device is counted.
+    stray: uploads and moves made outside `rollout.transfer`, whose copies are the pinned,
+       non-blocking ones."""
 
     READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "nonzero", "masked_select", "unique",
              "argwhere"}
+    UPLOADS = {"tensor", "as_tensor", "from_numpy"}
+    MOVES = {"cpu", "cuda", "numpy"}
 
     def __init__(self):
         from torch.overrides import TorchFunctionMode
 
         counter = self
 
+        def names_a_device(args, kwargs):
+            return "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:])
+
         class Mode(TorchFunctionMode):
             def __torch_function__(self, func, types, args=(), kwargs=None):
-                if getattr(func, "__name__", "") in counter.READS:
-                    counter.n += 1
-                return func(*args, **(kwargs or {}))
+                name, kwargs = getattr(func, "__name__", ""), kwargs or {}
+                counter.n += name in counter.READS
+                up = name in counter.UPLOADS and not (args and isinstance(args[0], torch.Tensor))
+                move = name in counter.MOVES or (name == "to" and names_a_device(args, kwargs))
+                counter.up, counter.moves = counter.up + up, counter.moves + move
+                if (up or move) and not sys._getframe(1).f_code.co_filename.endswith(TRANSFER_MODULE):
+                    counter.stray.append(f"{name} in {sys._getframe(1).f_code.co_name}")
+                return func(*args, **kwargs)
 
-        self.n, self.mode = 0, Mode()
+        self.n = self.up = self.moves = 0
+        self.stray: list[str] = []  # copies made elsewhere than rollout/transfer.py (unpinned, blocking)
+        self.mode = Mode()
 
 
 @pytest.mark.parametrize("sampling_mode", ["coupled", "rng"])
@@ -572,3 +597,54 @@ def test_a_target_failure_is_raised_and_a_draft_failure_falls_back(tiny_model, o
         out = engine.generate(prompts, params)
     assert spec.faults == ["RuntimeError: draft forward failed"] and engine.last_stats["spec_faults"] == 1
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+
+
+@pytest.mark.parametrize("capture", [False, True])
+@pytest.mark.parametrize("sampling_mode", ["coupled", "rng"])
+@pytest.mark.parametrize("mode", [None, "chain", "tree"])
+def test_a_step_copies_to_and_from_the_device_only_where_documented(tiny_model, mode, sampling_mode, capture,
+                                                                    monkeypatch):
+    """A step's copies between host and device, by kind of step, all made by `rollout.transfer`
+    (pinned host memory, never blocking the host): admitting prompts uploads their block once; a
+    plain step uploads its host values (slots, last tokens, request ids, token counts) in one
+    copy; a speculative step adds one for the draft's feed (per feed group), and a draft's
+    admission of new prompts one more (its cache slots). With features captured, each forward
+    downloads its rows' features once (two when prompts ride along), whatever the batch: never
+    one copy per row. The hand-back of results is the step's one read (the tests above)."""
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4, 10, 6)]
+    seen: dict[str, set] = {}
+    strays: list[str] = []
+
+    def counting(name, kind):
+        fn = getattr(EmbeddedEngine, name)
+        sig = inspect.signature(fn)
+
+        def wrapped(*args, **kwargs):
+            traffic = _DeviceReads()
+            with traffic.mode:
+                out = fn(*args, **kwargs)
+            fused = sig.bind(*args, **kwargs).arguments.get("prefill") is not None
+            seen.setdefault(f"{kind} {'fused' if fused else 'alone'}", set()).add((traffic.up, traffic.moves))
+            strays.extend(traffic.stray)
+            return out
+        monkeypatch.setattr(EmbeddedEngine, name, wrapped)
+
+    counting("_decode_step", "plain")
+    counting("_spec_step", "spec")
+    counting("_run_prefill", "prefill")
+    counting("_plan_prefill", "plan")
+    spec = None
+    if mode is not None:
+        spec = Speculator(new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64)), SpecConfig(mode, 3))
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, sampling_mode=sampling_mode), speculator=spec)
+    engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2), capture_features=capture)
+    draft, down = int(mode is not None), int(capture)
+    step = "plain" if mode is None else "spec"
+    expected = {"plan alone": (1, 0), "prefill fused": (draft, down),  # (a prefill on its own)
+                f"{step} alone": (1 + draft, down), f"{step} fused": (1 + 2 * draft, 2 * down)}
+    assert not strays
+    assert seen == {k: {v} for k, v in expected.items()}
