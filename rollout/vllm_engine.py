@@ -22,15 +22,24 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1, which this module sets before vLLM starts).
   Before writing, the worker checks that no tensor it will write is shared with the target
   (vLLM shares the target's lm_head with a draft whose lm_head equals it), so a draft push never
   writes the policy.
+- Process lifetime: vLLM runs in an engine core process and a worker process under it. The
+  engine stops them at interpreter exit (atexit), on SIGTERM/SIGINT to the driving process
+  (`_on_signal`, chained to the handler it replaced), and when the driving process dies without
+  a chance to clean up (SIGKILL): vLLM 0.32's engine core does not watch its parent, so the
+  worker watches the driving process (`_watch_driver_in_worker`) and stops the engine core.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import dataclasses
 import os
+import signal
 import tempfile
+import threading
 import time
 import warnings
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,7 +164,40 @@ def _reload_in_worker(worker, blob: bytes, which: str) -> dict:
     tensors = load(blob)
     with set_current_vllm_config(worker.vllm_config), _moe_repack_on_reload(mine) as repacked:
         reload_weights(worker.vllm_config, mine, list(tensors.items()), None, True)  # as the worker's own does
-    return {"tensors": len(tensors), "moe_layers_repacked": repacked}
+    cleared = _clear_drafter_state(worker) if which == "draft" else 0
+    return {"tensors": len(tensors), "moe_layers_repacked": repacked, "draft_state_cleared": cleared}
+
+
+def _clear_drafter_state(worker) -> int:
+    """Zero what the previous draft left in the drafter: its attention layers' KV cache and the
+    proposer's hidden-state and input-embedding scratch buffers. Returns the tensors zeroed.
+
+    Why: a reload replaces the weights only. A draft whose activations overflow (finite weights
+    can, so the push's finiteness check lets it through) writes inf/NaN into these. Dropping the
+    prefix cache frees the KV blocks but leaves their contents (vLLM 0.32 zeroes reused blocks
+    only for Mamba or mixed-precision caches), and the next drafts, from any weights, still go
+    wrong where those blocks are reused: after pushing the good draft back, accept length 1.79,
+    2.77, 2.82 on three generates against 3.00 on a clean engine (docs/vllm.md), and 3.00 again
+    once these tensors were zeroed. Runs with no request in flight (pushes come between generate
+    calls), before the prefix cache is dropped.
+    """
+    drafter = getattr(worker.model_runner, "drafter", None)
+    if drafter is None:
+        return 0
+    names = getattr(drafter, "_draft_attn_layer_names", None)
+    if names is None:
+        raise RuntimeError("this vLLM's drafter does not name its attention layers; cannot clear their KV cache")
+    context = worker.vllm_config.compilation_config.static_forward_context
+    tensors = []
+    for name in sorted(names):
+        kv = context[name].kv_cache
+        tensors += list(kv) if isinstance(kv, (list, tuple)) else [kv]
+    tensors += [getattr(drafter, n, None) for n in ("hidden_states", "inputs_embeds")]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor) and t.numel()]
+    with torch.no_grad():
+        for t in tensors:
+            t.zero_()
+    return len(tensors)
 
 
 @contextmanager
@@ -235,6 +277,44 @@ def _mend_cpu_expand_in_worker(worker) -> dict:
     return {"expand_ok_before": before, "mended": not before, "expand_ok_after": probe()}
 
 
+def _watch_driver_in_worker(worker, driver_pid: int, grace_s: float = 15.0) -> dict:
+    """Stop vLLM when the process driving it dies, however it dies (SIGKILL included).
+
+    Why: vLLM 0.32 stops its worker when the engine core exits (the worker reads a pipe from it),
+    but nothing stops the engine core when its own parent, the driving process, is killed: it is
+    re-parented and keeps its worker, memory and threads. A daemon thread in the worker waits on a
+    pidfd of the driving process; once that process is gone it sends SIGTERM to the engine core
+    (which shuts down and stops this worker) and, if it is still there after `grace_s`, SIGKILL,
+    then ends this worker too. pidfds name the processes, so a recycled pid is never signalled."""
+    import select
+
+    core = os.getppid()
+    if driver_pid in (os.getpid(), core):
+        return {"watching": False, "why": "the worker is the driving process or its child (vLLM stops it)"}
+    try:
+        with open(f"/proc/{core}/stat") as f:
+            core_parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        if core_parent != driver_pid:
+            return {"watching": False, "why": f"the engine core {core} is not the driving process's child"}
+        driver_fd, core_fd = os.pidfd_open(driver_pid), os.pidfd_open(core)
+    except (AttributeError, OSError, ValueError, IndexError) as e:  # no /proc or pidfds (Linux < 5.3)
+        return {"watching": False, "why": f"{type(e).__name__}: {e}"}
+
+    def watch():
+        select.select([driver_fd], [], [])  # readable once the driving process has exited
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                signal.pidfd_send_signal(core_fd, sig)
+            except ProcessLookupError:
+                break
+            if select.select([core_fd], [], [], wait)[0]:  # readable once the engine core has exited
+                break
+        os._exit(1)
+
+    threading.Thread(target=watch, name="specrl-driver-watch", daemon=True).start()
+    return {"watching": True, "driver": driver_pid, "engine_core": core}
+
+
 def _fingerprint_in_worker(worker) -> dict:
     """Per-parameter sums of both models (tests: what a sync or a push changed)."""
     target, draft = _models(worker)
@@ -243,6 +323,65 @@ def _fingerprint_in_worker(worker) -> dict:
         if model is not None:
             out[tag] = {n: float(p.detach().double().sum()) for n, p in model.named_parameters()}
     return out
+
+
+# engines that may hold a running vLLM; weak, so an engine is still garbage collected (vLLM's own
+# finalizers then stop its processes)
+_LIVE_ENGINES: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
+_PREVIOUS_HANDLERS: dict[int, object] = {}
+_HANDLERS_INSTALLED = False
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _shutdown_live_engines(remove_work_dirs: bool = False) -> None:
+    """Stop every vLLM this process started (not those of a process it was forked from)."""
+    for engine in list(_LIVE_ENGINES):
+        if engine._owner_pid == os.getpid():
+            engine.shutdown()
+            if remove_work_dirs and engine._tmp is not None:
+                engine._tmp.cleanup()
+
+
+atexit.register(_shutdown_live_engines)
+
+
+def _on_signal(signum, frame) -> None:
+    """SIGTERM/SIGINT: the handler this replaced decides. When it ends or unwinds the program
+    (the default action, KeyboardInterrupt, SystemExit, ...) vLLM is stopped first and the
+    signal's effect goes on as before; a handler that takes the signal and returns leaves vLLM
+    running (the atexit hook stops it when the program exits)."""
+    prev = _PREVIOUS_HANDLERS.get(signum, signal.SIG_DFL)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)  # no second signal mid-shutdown
+    try:
+        if callable(prev):
+            try:
+                prev(signum, frame)
+            except BaseException:
+                _shutdown_live_engines()
+                raise
+            return
+        _shutdown_live_engines(remove_work_dirs=True)  # the default action ends the process
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # die of the same signal, as without this handler
+
+
+def _install_signal_handlers() -> None:
+    """Put `_on_signal` in front of the SIGTERM/SIGINT handlers of the moment, once per process
+    and from the main thread (the only one Python lets set handlers). Once only: a handler the
+    program sets later (and may chain to this one) is never wrapped again. An ignored signal
+    stays ignored, and a handler set outside Python (unknown to `signal.getsignal`) is left alone."""
+    global _HANDLERS_INSTALLED
+    if _HANDLERS_INSTALLED or threading.current_thread() is not threading.main_thread():
+        return
+    _HANDLERS_INSTALLED = True
+    for signum in _STOP_SIGNALS:
+        current = signal.getsignal(signum)
+        if current is None or current == signal.SIG_IGN:
+            continue
+        _PREVIOUS_HANDLERS[signum] = current
+        signal.signal(signum, _on_signal)
 
 
 class VLLMEngine:
@@ -275,6 +414,10 @@ class VLLMEngine:
         self.version = 0
         self.faults: list[str] = []
         self.last_stats: dict = {}
+        self.driver_watch: dict = {}  # what _watch_driver_in_worker reported at the last start
+        self._owner_pid = os.getpid()
+        _LIVE_ENGINES.add(self)
+        _install_signal_handlers()
         if draft is not None:
             self.install_draft(draft, spec)
 
@@ -288,6 +431,8 @@ class VLLMEngine:
     # -- engine lifecycle -------------------------------------------------------------------
     def _start(self) -> None:
         self._write_policy_folder()
+        self._owner_pid = os.getpid()
+        _install_signal_handlers()
         kw = {}
         if self.draft is not None:
             folder = save_draft(self.draft, self.work_dir / "draft")
@@ -301,6 +446,7 @@ class VLLMEngine:
             max_num_seqs=self.config.max_batch, enforce_eager=self.config.enforce_eager, seed=0,
             logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
             kv_cache_memory_bytes=self.config.kv_cache_bytes, **kw)
+        self.driver_watch = self._llm.collective_rpc(_watch_driver_in_worker, args=(os.getpid(),))[0]
         if self.draft is not None:
             self.sampler_mend = self._llm.collective_rpc(_mend_cpu_expand_in_worker)[0]
 
@@ -314,9 +460,10 @@ class VLLMEngine:
         return False  # the engine holds its own copy of the policy: every update is synced
 
     def shutdown(self) -> None:
-        if self._llm is not None:
-            self._llm.llm_engine.engine_core.shutdown()
-            self._llm = None
+        """Stop vLLM's processes (idempotent); the next use starts them again."""
+        llm, self._llm = self._llm, None
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
 
     # -- rollout protocol -------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
@@ -421,10 +568,11 @@ class VLLMEngine:
         self.shutdown()  # the next call starts vLLM with speculation
 
     def push_draft(self, weights: dict, version: int) -> None:
-        """Draft hot swap into the live engine: the worker's drafter reloads in place. All or
-        nothing: the weights are checked (names, exact shapes, finite values) and loaded into the
-        worker from a candidate copy; the engine's own copy (what `draft_weights` and so every
-        checkpoint reads) changes only once vLLM has taken them."""
+        """Draft hot swap into the live engine: the worker's drafter reloads in place, and what
+        the previous draft left in it (KV cache, scratch buffers) is zeroed. All or nothing: the
+        weights are checked (names, exact shapes, finite values) and loaded into the worker from
+        a candidate copy; the engine's own copy (what `draft_weights` and so every checkpoint
+        reads) changes only once vLLM has taken them."""
         if self.draft is None:
             raise VLLMEngineError("the engine has no draft: install_draft first")
         candidate = copy.deepcopy(self.draft)

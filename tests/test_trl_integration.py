@@ -81,8 +81,12 @@ def online_run(tmp_path_factory):
 
 def test_metrics_reach_trl_log_and_draft_is_trained(online_run):
     _, plugin, rows, _ = online_run
+    print("TRL accept lengths:", [r["rollout/spec_accept_length"] for r in rows])
     for r in rows:
-        assert r["rollout/spec_accept_length"] >= 1.0 and r["rollout/spec_verify_steps"] > 0
+        # a fresh draft on a random tiny policy, coupled sampling (deterministic): measured 1.32,
+        # 1.26, 1.19; 1.01, 1.00, 1.00 with the draft's proposal reading another token's noise, and
+        # 1.00 with every draft token rejected (outputs unchanged in both: only this sees them)
+        assert r["rollout/spec_accept_length"] > 1.1 and r["rollout/spec_verify_steps"] > 0
         assert "perf/draft_train_s" in r and "rollout/spec_accept_rate_per_pos/0" in r
     assert any("train/draft_loss" in r for r in rows)
     assert rows[-1]["train/draft_version"] >= 1  # trained and hot-swapped into the engine

@@ -7,9 +7,16 @@ Run by tests/lanes/vllm.sh; elsewhere these tests skip, and in that lane a missi
 """
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,6 +272,38 @@ def test_draft_hot_swap_changes_acceptance_only_and_never_the_policy(setup, spec
     assert spec.fingerprint() == fp0 and spec.draft_weights()[1] == 2
 
 
+def _draft_nonfinite(worker) -> int:
+    """Non-finite values in the drafter's KV cache and scratch buffers."""
+    drafter = worker.model_runner.drafter
+    context = worker.vllm_config.compilation_config.static_forward_context
+    tensors = [context[n].kv_cache for n in drafter._draft_attn_layer_names]
+    tensors += [drafter.hidden_states, drafter.inputs_embeds]
+    return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
+
+
+def test_a_draft_push_leaves_nothing_of_the_previous_draft(setup, spec):
+    """A draft with finite but huge weights (the push's checks let it through) overflows and
+    writes inf/NaN into the drafter's KV cache and buffers in vLLM; pushing the trained draft back
+    must give exactly the clean engine's acceptance on the very next generate."""
+    prompts = _prompts(setup, 48, seed=3)
+    clean = spec.generate(prompts, _greedy(setup))
+    trained, v0 = spec.draft_weights()
+    g = torch.Generator().manual_seed(0)
+    huge = {k: (torch.randn(v.shape, generator=g) * 1e28 if v.is_floating_point() else v) for k, v in trained.items()}
+    spec.push_draft(huge, version=v0 + 1)
+    bad = spec.generate(prompts, _greedy(setup))
+    left = spec.llm.collective_rpc(_draft_nonfinite)[0]
+    spec.push_draft(trained, version=v0 + 2)
+    after = spec.llm.collective_rpc(_draft_nonfinite)[0]
+    back = spec.generate(prompts, _greedy(setup))
+    a0, a1, a2 = (summarize_spec_stats(t.spec for t in x)["accept_length"] for x in (clean, bad, back))
+    print(f"accept length: clean {a0:.4f}, overflowing draft {a1:.4f} ({left} non-finite values left in the "
+          f"drafter, {after} after the next push), trained draft pushed back {a2:.4f}")
+    assert [t.token_ids for t in bad] == [t.token_ids for t in back] == [t.token_ids for t in clean]
+    assert left > 0 and a1 < 1.1  # the bad draft did poison the drafter's state
+    assert after == 0 and abs(a2 - a0) < 1e-9
+
+
 def test_policy_sync_in_place_serves_the_new_policy_and_never_touches_the_draft(setup, spec):
     """The sync reloads the live worker's target in place (no restart): what is served afterwards
     is exactly the new policy's greedy output (the embedded engine's on the moved weights), the
@@ -361,3 +400,98 @@ def test_a_refused_or_failed_draft_push_changes_nothing(setup, spec, monkeypatch
     weights1, v1 = spec.draft_weights()
     assert v1 == v0 and all(torch.equal(weights1[k], weights0[k]) for k in weights0)
     assert spec.fingerprint() == fp0
+
+
+DRIVER = """
+import sys, time
+if __name__ == "__main__":
+    import torch
+    import rollout.vllm_engine as ve
+    from rollout.protocol import SamplingParams
+    from rollout.speculative import SpecConfig
+
+    if sys.argv[2] == "no-watch":  # only the driver's own signal handling stops vLLM
+        ve._watch_driver_in_worker = lambda worker, driver_pid: {"watching": False}
+    policy, draft = torch.load(sys.argv[1], weights_only=False)
+    engine = ve.VLLMEngine(policy, ve.VLLMEngineConfig(max_batch=4), draft=draft, spec=SpecConfig(gamma=3))
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=8))
+    print("driver ready; watch:", engine.driver_watch, flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("signum, watch", [(signal.SIGTERM, "no-watch"), (signal.SIGKILL, "watch")],
+                         ids=["SIGTERM-handler", "SIGKILL-worker-watch"])
+def test_vllm_processes_end_with_the_process_driving_them(setup, tmp_path, signum, watch):
+    """A process drives a speculating engine and is then killed; within 60 s none of its child
+    processes (vLLM's engine core and worker) may remain. SIGTERM: the engine's handler stops vLLM,
+    then the process dies of the signal (the worker's watch is switched off to test the handler
+    alone). SIGKILL: nothing runs in the process; the worker's watch on it stops the engine core."""
+    import psutil
+
+    root = Path(__file__).resolve().parents[1]
+    torch.save((setup[2], setup[3]), tmp_path / "models.pt")
+    (tmp_path / "drive.py").write_text(DRIVER)
+    log = tmp_path / "driver.log"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, str(tmp_path / "drive.py"), str(tmp_path / "models.pt"), watch],
+                                cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+    children = []
+    try:
+        deadline = time.monotonic() + 600
+        while "driver ready" not in log.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the driver did not start its engine (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = sorted(c.name() for c in children)
+        print(f"driver {proc.pid} children: {names}{log.read_text().split('driver ready')[1].splitlines()[0]}")
+        assert any("EngineCor" in n for n in names) and any("Worker" in n for n in names)
+        t0 = time.monotonic()
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == -signum  # it still dies of the signal
+        gone, alive = psutil.wait_procs(children, timeout=60)
+        print(f"{signal.Signals(signum).name}: driver gone; {len(gone)} children gone, {len(alive)} left "
+              f"after {time.monotonic() - t0:.1f} s")
+        assert alive == [], f"vLLM processes outlived their driver: {[(p.pid, p.name()) for p in alive]}"
+    finally:
+        proc.kill()  # whatever is left, so that a failure leaves no orphans
+        for p in children:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def test_the_stop_hooks_chain_and_keep_engines_collectable(setup, tmp_path, monkeypatch):
+    """In-process checks of the hooks (no vLLM started): the SIGTERM/SIGINT handler sits in front
+    of the previous ones; a previous handler that raises (KeyboardInterrupt) gets vLLM stopped
+    first and its exception through; one that takes the signal and returns leaves vLLM running;
+    the engine registry is weak, so an engine that is dropped is collected."""
+    import rollout.vllm_engine as ve
+
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(work_dir=str(tmp_path)))
+    assert engine in ve._LIVE_ENGINES
+    assert signal.getsignal(signal.SIGTERM) is ve._on_signal
+    assert signal.getsignal(signal.SIGINT) in (ve._on_signal, signal.SIG_IGN)  # ignored (a background job) stays so
+    stops = []
+    monkeypatch.setattr(engine, "shutdown", lambda: stops.append("stopped"))
+    monkeypatch.setattr(ve, "_LIVE_ENGINES", weakref.WeakSet([engine]))  # not the module's live engines
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    calls = []
+    monkeypatch.setitem(ve._PREVIOUS_HANDLERS, signal.SIGINT, interrupt)
+    monkeypatch.setitem(ve._PREVIOUS_HANDLERS, signal.SIGTERM, lambda signum, frame: calls.append(signum))
+    with pytest.raises(KeyboardInterrupt):
+        ve._on_signal(signal.SIGINT, None)
+    assert stops == ["stopped"]
+    ve._on_signal(signal.SIGTERM, None)
+    assert calls == [signal.SIGTERM] and stops == ["stopped"]  # taken by the program's handler: left running
+    monkeypatch.undo()
+    ref = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert ref() is None

@@ -27,8 +27,11 @@ def test_train_rl_on_vllm_with_an_online_draft(tmp_path):
     assert code == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1]
+    print("train-rl on vLLM: rollout accept lengths", [r["rollout/spec_accept_length"] for r in rows])
     for r in rows:
-        assert r["rollout/spec_accept_length"] >= 1.0 and r["rollout/spec_verify_steps"] > 0
+        # sampled at T = 1 with chains of 4: measured 2.04 and 2.05; 1.03 to 1.13 (two runs) without
+        # the CPU sampler mend (vLLM's broken expand of temperatures), 1.05-1.35 in the drift run it spoiled
+        assert r["rollout/spec_accept_length"] > 1.6 and r["rollout/spec_verify_steps"] > 0
         assert r["perf/policy_sync_s"] > 0 and r["train/draft_faults"] == 0
         assert "train/draft_loss" in r and "perf/draft_sync_s" in r
         # sampled speculative rollouts: vLLM's log-probs are the trainer's (NaN before the sampler mend)
@@ -51,10 +54,21 @@ def test_drift_on_vllm_runs_its_arms_on_vllm(tmp_path):
     assert summary["engine"] == "vllm" and summary["eval_decoding"].startswith("greedy")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert {(r["step"], r["arm"]) for r in rows} >= {(0, a) for a in ("plain", "frozen", "online")} | {(2, "reference")}
-    assert all(r["accept_length"] >= 1.0 for r in rows if r["arm"] != "plain")
+    print("drift arms:", [(r["step"], r["arm"], r.get("accept_length")) for r in rows])
+    # Greedy, chains of 4. At step 0 the three draft arms hold the same offline draft, swapped into
+    # one engine in turn: the same acceptance (nothing of one arm's draft stays behind), and that
+    # of a draft trained for this policy: measured 2.83; 2.21 with vLLM reading the taps one layer
+    # off. Every draft arm, at every point: measured 2.32 to 3.63; broken samplers give 1.05-1.35.
+    start = {r["accept_length"] for r in rows if r["step"] == 0 and r["arm"] != "plain"}
+    assert len(start) == 1 and start.pop() > 2.5
+    assert all(r["accept_length"] > 1.5 for r in rows if r["arm"] != "plain")
     rl = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["perf/policy_sync_s"] > 0 for r in rl)
+    print("drift rl rollouts:", [r["rollout/spec_accept_length"] for r in rl])
+    # the RL rollouts, sampled with the online draft: measured 2.12 and 1.78; ~1.1 without the sampler mend
+    assert all(r["rollout/spec_accept_length"] > 1.5 for r in rl)
     sweep = summary["speedup_vs_batch"]  # plain and each draft on vLLM at the preset's batch sizes
+    print("drift sweep:", [(r["batch"], r["arm"], r.get("accept_length")) for r in sweep])
     assert {(r["batch"], r["arm"]) for r in sweep} == {(b, a) for b in (1, 8)
                                                        for a in ("plain", "frozen", "online", "reference")}
-    assert all(r["accept_length"] >= 1.0 and r["tokens_per_s"] > 0 for r in sweep if r["arm"] != "plain")
+    assert all(r["accept_length"] > 1.5 and r["tokens_per_s"] > 0 for r in sweep if r["arm"] != "plain")
