@@ -34,6 +34,7 @@ from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, VLLMEngineError  #
 pytestmark = pytest.mark.vllm
 GAMMA = 3
 N_SAMPLES = 1000  # seeded requests in the sampled-law test (and in its power simulation)
+N_THIRD = 3000  # the same for the third token, whose law is flatter: as much power takes more samples
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,51 @@ def test_sampled_speculation_follows_the_exact_law(setup, plain, spec):
     assert p > 1e-3
 
 
+def _exact_third_token_law(policy, prompt, temperature):
+    """P(x3) = sum_{x1, x2} p(x1 | prompt) p(x2 | prompt, x1) p(x3 | prompt, x1, x2)."""
+    V = policy.cfg.vocab_size
+    with torch.no_grad():
+        p1 = (policy(torch.tensor([prompt])).logits[0, -1].double() / temperature).softmax(-1)  # (V,)
+        p2 = (policy(torch.tensor([prompt + [x] for x in range(V)])).logits[:, -1].double() / temperature).softmax(-1)
+        pairs = torch.tensor([prompt + [a, b] for a in range(V) for b in range(V)])  # (V * V, P + 2)
+        p3 = torch.cat([(policy(rows).logits[:, -1].double() / temperature).softmax(-1) for rows in pairs.split(1024)])
+    return (p1[:, None] * p2).reshape(-1) @ p3  # (V,)
+
+
+def test_sampled_speculation_follows_the_exact_law_past_the_first_decision(setup, spec):
+    """The third generated token. Where the second was an accepted draft, the first verify step
+    decides the third too, one position deeper: an accepted draft after an accepted prefix, or
+    the residual sample at a rejection there. Its frequencies over N seeded requests must fit
+    the exact marginal (chi-square, alpha = 1e-3), with at least 20% of the requests decided
+    past the first decision. (The law computation is the second-token test's, one token on: the
+    embedded engine's plain rng sampling fits it, `test_the_third_token_law_is_right`.)"""
+    from helpers import chi2_pvalue
+
+    policy, prompt, T, N = setup[2], _prompts(setup, 1, seed=99)[0], 1.0, N_THIRD
+    law = _exact_third_token_law(policy, prompt, T)
+    trajs = _run(spec, [prompt] * N, SamplingParams(temperature=T, max_new_tokens=3, seed=6), 16 * 8)
+    assert all(len(t.token_ids) == 3 for t in trajs)
+    counts = torch.bincount(torch.tensor([t.token_ids[2] for t in trajs]), minlength=law.numel())
+    stat, df, p = chi2_pvalue(counts, law)
+    past_first = sum(t.spec.accepted > 0 for t in trajs) / N  # the second token was an accepted draft
+    print(f"third token: chi2 {stat:.1f} df {df} p {p:.3f}; decided past the first decision: {past_first:.3f}")
+    assert past_first > 0.2
+    assert p > 1e-3
+
+
+def test_the_third_token_law_is_right(setup):
+    """The exact third-token law against plain rng sampling on the embedded engine (no vLLM):
+    a wrong law computation fails here, never as a speculation failure above."""
+    from helpers import chi2_pvalue
+
+    policy, prompt = setup[2], _prompts(setup, 1, seed=99)[0]
+    law = _exact_third_token_law(policy, prompt, 1.0)
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=64, sampling_mode="rng"))
+    trajs = _run(engine, [prompt] * N_THIRD, SamplingParams(temperature=1.0, max_new_tokens=3, seed=6), 64)
+    counts = torch.bincount(torch.tensor([t.token_ids[2] for t in trajs]), minlength=law.numel())
+    assert chi2_pvalue(counts, law)[2] > 1e-3
+
+
 def test_sampled_speculative_logprobs_are_the_policys(setup, spec):
     """At T = 0.7 (a temperature the verify logits must really be divided by), every log-prob
     vLLM returns for a speculatively sampled token, accepted drafts included, equals the
@@ -232,18 +278,20 @@ def test_sampled_speculative_logprobs_are_the_policys(setup, spec):
     assert diff < 1e-4
 
 
-def test_power_of_the_law_test(setup):
-    """Simulated power of the test above against a law with 15% of the mass misplaced."""
+@pytest.mark.parametrize("position", ["second", "third"])
+def test_power_of_the_law_test(setup, position):
+    """Simulated power of the tests above against a law with 15% of the mass misplaced."""
     from helpers import chi2_pvalue
 
     policy, prompt = setup[2], _prompts(setup, 1, seed=99)[0]
-    law = _exact_second_token_law(policy, prompt, 1.0)
+    exact, n = {"second": (_exact_second_token_law, N_SAMPLES), "third": (_exact_third_token_law, N_THIRD)}[position]
+    law = exact(policy, prompt, 1.0)
     other = torch.roll(law, 1)  # a law that puts the mass on neighbouring ids: a wrong sampler
     wrong = 0.85 * law + 0.15 * other
     g = torch.Generator().manual_seed(0)
     rejected = 0
     for _ in range(200):
-        counts = torch.bincount(torch.multinomial(wrong.float(), N_SAMPLES, replacement=True, generator=g),
+        counts = torch.bincount(torch.multinomial(wrong.float(), n, replacement=True, generator=g),
                                 minlength=law.numel())
         rejected += chi2_pvalue(counts, law)[2] < 1e-3
     print(f"power against a 15% mixture: {rejected / 200:.3f}")
