@@ -525,8 +525,8 @@ class VLLMEngine:
         """Policy sync (specrl names). In place (the default): the worker reloads the target from
         the policy's HF-named tensors (`_reload_in_worker`, which refuses to write any tensor the
         draft owns, and `_moe_repack_on_reload`, which makes the MoE experts exact on CPU), then
-        the prefix cache is dropped; the HF folder is rewritten only when vLLM next restarts.
-        With `policy_sync="restart"`: the folder is rewritten now and vLLM restarts from it at
+        the prefix cache is dropped (if vLLM refuses to drop it, the sync falls back to a restart);
+        the HF folder is rewritten only when vLLM next restarts. With `policy_sync="restart"`: the folder is rewritten now and vLLM restarts from it at
         its next use, with the engine's current draft (tens of seconds on 2 CPU cores)."""
         from target_training.hf_adapter import hf_disk_tensors
 
@@ -534,15 +534,22 @@ class VLLMEngine:
         policy.load_state_dict(state_dict)
         self._pending_policy = policy
         t0 = time.perf_counter()
+        why = None
         if self._llm is not None and self.config.policy_sync == "inplace":
             tensors = hf_disk_tensors(policy, getattr(torch, self.config.dtype))
             done = self._llm.collective_rpc(_reload_in_worker, args=(_pack(tensors), "policy"))[0]
-            self._llm.reset_prefix_cache()  # cached KV came from the old policy
-            self.last_sync = {"mode": "inplace", "sync_s": time.perf_counter() - t0, **done}
-        else:
-            self.shutdown()
-            self._write_policy_folder()
-            self.last_sync = {"mode": "restart", "sync_s": time.perf_counter() - t0}  # + the next start
+            if self._llm.reset_prefix_cache():  # cached KV came from the old policy
+                self.last_sync = {"mode": "inplace", "sync_s": time.perf_counter() - t0, **done}
+                return
+            # vLLM kept its prefix cache (it does while requests run): serving it would mix the old
+            # policy's KV into the new policy's answers, so restart on the new policy instead
+            why = "vLLM did not drop its prefix cache"
+            warnings.warn(f"policy sync: {why}; restarting vLLM on the new policy", stacklevel=2)
+        self.shutdown()
+        self._write_policy_folder()
+        self.last_sync = {"mode": "restart", "sync_s": time.perf_counter() - t0}  # + the next start
+        if why is not None:
+            self.last_sync["why"] = why
 
     def _write_policy_folder(self) -> None:
         """Bring the HF folder vLLM (re)starts from up to the last synced policy."""

@@ -390,6 +390,31 @@ def test_policy_sync_in_place_serves_the_new_policy_and_never_touches_the_draft(
     assert [t.token_ids for t in spec.generate(prompts, _greedy(setup))] == [t.token_ids for t in before]
 
 
+def test_a_policy_sync_whose_prefix_cache_stays_restarts_vllm(setup, spec, monkeypatch):
+    """If vLLM will not drop its prefix cache after an in-place sync, KV computed by the old policy
+    would be served with the new one: the sync restarts vLLM on the new policy instead (with a
+    warning), and what is served is exactly the new policy's greedy output."""
+    policy = setup[2]
+    prompts = _prompts(setup, 8, seed=8)
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    spec.generate(prompts, _greedy(setup))  # the prompts' KV now sits in the prefix cache
+    monkeypatch.setattr(spec.llm, "reset_prefix_cache", lambda *a, **k: False)
+    try:
+        with pytest.warns(UserWarning, match="did not drop its prefix cache"):
+            spec.load_policy_weights(moved)
+        assert spec.last_sync["mode"] == "restart" and spec._llm is None
+        got = spec.generate(prompts, _greedy(setup))  # a fresh vLLM, started from the new policy
+        other = policy.cfg.build().eval()
+        other.load_state_dict(moved)
+        ref = EmbeddedEngine(other, EngineConfig(max_batch=16)).generate(prompts, _greedy(setup))
+        assert [t.token_ids for t in got] == [t.token_ids for t in ref]
+    finally:
+        spec.load_policy_weights(original)
+    assert spec.last_sync["mode"] == "inplace"  # the restarted engine syncs in place again
+
+
 def test_vllm_speed_rows_check_identity_and_measure_step_costs(setup, plain, spec):
     """`specrl bench speed --engine vllm`'s measurement on the module's engines: greedy tokens
     equal across vLLM plain, vLLM EAGLE-3 and the embedded engine; the bound's parts come from
