@@ -92,3 +92,29 @@ def fill_buffer(cot, model, n: int = 8, T: int = 16, seed: int = 0, version: int
     mask[:, T // 2:] = True
     cot.buffer.add_from_trainer_forward(ids, out.features(model.cfg.feature_layer_ids), out.logits, mask,
                                         cot.draft.d2t, version)
+
+
+def overlap_pair(model):
+    """Two co-trainers on the same model, draft (on the model's device) and data, sequential and
+    overlapped: the same draft updates, run inline or as a burst on its own thread (CUDA stream)."""
+    import copy
+
+    from rollout.engine import EmbeddedEngine
+    from rollout.speculative import SpecConfig
+    from specrl.config import CoTrainConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
+    from specrl.cotrain import SpecCoTrainer
+    from specrl.drafts import new_draft
+
+    draft = new_draft(model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64)).to(model.embed_tokens.weight.device)
+    out = []
+    for mode in ("sequential", "overlap"):
+        cfg = CoTrainConfig(mode="online", spec=SpecConfig(gamma=3), min_buffer_records=1, max_draft_steps=3,
+                            online=OnlineDraftConfig(batch_size=4),
+                            scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=600.0, windows=("between",),
+                                                      mode=mode))
+        cot = SpecCoTrainer(copy.deepcopy(draft), cfg).attach(EmbeddedEngine(model))
+        cot.draft.set_target_embedding(model.embed_tokens)
+        cot.speculator.draft.set_target_embedding(model.embed_tokens)
+        fill_buffer(cot, model, n=12)
+        out.append(cot)
+    return out

@@ -145,25 +145,9 @@ def test_overlapped_draft_training_on_a_cuda_stream(tiny_model):
     """A burst of draft updates on its own CUDA stream, beside the policy update: it trains what
     the sequential mode trains on the same batches (to float tolerance: GPU backward sums may be
     ordered differently), and the engine's draft changes only at the step boundary."""
-    from helpers import fill_buffer
-    from specrl.config import CoTrainConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
-    from specrl.cotrain import SpecCoTrainer
-    from specrl.drafts import new_draft
+    from helpers import overlap_pair
 
-    model = copy.deepcopy(tiny_model).to(DEVICE)
-    draft = new_draft(model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64)).to(DEVICE)
-    cots = []
-    for mode in ("sequential", "overlap"):
-        cfg = CoTrainConfig(mode="online", spec=SpecConfig(gamma=3), min_buffer_records=1, max_draft_steps=3,
-                            online=OnlineDraftConfig(batch_size=4),
-                            scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=600.0, windows=("between",),
-                                                      mode=mode))
-        cot = SpecCoTrainer(copy.deepcopy(draft), cfg).attach(EmbeddedEngine(model))
-        cot.draft.set_target_embedding(model.embed_tokens)
-        cot.speculator.draft.set_target_embedding(model.embed_tokens)
-        fill_buffer(cot, model, n=12)
-        cots.append(cot)
-    seq, ovl = cots
+    seq, ovl = overlap_pair(copy.deepcopy(tiny_model).to(DEVICE))
     if DEVICE == "cuda":
         assert ovl._overlap._stream is not None
     start = {k: v.clone() for k, v in ovl.speculator.draft.state_dict().items()}

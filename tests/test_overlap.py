@@ -6,34 +6,15 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import fill_buffer
+from helpers import fill_buffer, overlap_pair
 
 from rollout.engine import EmbeddedEngine
-from rollout.speculative import SpecConfig
-from specrl.config import CoTrainConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
+from specrl.config import SchedulerConfig
 from specrl.cotrain import SpecCoTrainer
-from specrl.drafts import new_draft
 
 
 def _fill(cot, model, **kw):
     fill_buffer(cot, model, **{"n": 12, **kw})
-
-
-def _pair(model):
-    """Two co-trainers on the same model, draft and data: sequential and overlapped."""
-    draft = new_draft(model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
-    out = []
-    for mode in ("sequential", "overlap"):
-        cfg = CoTrainConfig(mode="online", spec=SpecConfig(gamma=3), min_buffer_records=1, max_draft_steps=3,
-                            online=OnlineDraftConfig(batch_size=4),
-                            scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=600.0, windows=("between",),
-                                                      mode=mode))
-        cot = SpecCoTrainer(copy.deepcopy(draft), cfg).attach(EmbeddedEngine(model))
-        cot.draft.set_target_embedding(model.embed_tokens)
-        cot.speculator.draft.set_target_embedding(model.embed_tokens)
-        _fill(cot, model)
-        out.append(cot)
-    return out
 
 
 def _weights(draft):
@@ -46,7 +27,7 @@ def _same(a, b):
 
 def test_overlapped_burst_equals_sequential_and_swaps_at_the_boundary(tiny_model, one_thread):
     model = copy.deepcopy(tiny_model)
-    seq, ovl = _pair(model)
+    seq, ovl = overlap_pair(model)
     start = _weights(ovl.speculator.draft)
     emb = model.embed_tokens.weight.detach().clone()
 
@@ -80,7 +61,7 @@ def test_overlapped_burst_equals_sequential_and_swaps_at_the_boundary(tiny_model
 
 
 def test_a_failing_burst_is_counted_and_the_run_goes_on(tiny_model, one_thread):
-    _, ovl = _pair(copy.deepcopy(tiny_model))
+    _, ovl = overlap_pair(copy.deepcopy(tiny_model))
 
     def boom(*a, **k):
         raise MemoryError("OOM in the burst (simulated)")
@@ -153,7 +134,7 @@ def test_a_burst_until_the_rollout_is_collected_there_and_gives_the_loop_its_thr
     rollout ends (before the policy update), the RL loop runs with rollout_threads meanwhile and
     gets its own count back, and the trained weights are the sequential mode's."""
     model = copy.deepcopy(tiny_model)
-    seq, ovl = _pair(model)
+    seq, ovl = overlap_pair(model)
     ovl = SpecCoTrainer(copy.deepcopy(ovl.draft), dataclasses.replace(
         ovl.config, scheduler=dataclasses.replace(ovl.config.scheduler, overlap_until="rollout",
                                                   rollout_threads=1))).attach(EmbeddedEngine(model))
