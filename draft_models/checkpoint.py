@@ -73,7 +73,6 @@ def draft_tensors_for_export(draft: Eagle3Draft) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@torch.no_grad()
 def check_draft_weights(weights: dict, reference: dict) -> str | None:
     """What makes `weights` unfit to replace `reference` (a state dict of the same draft), as one
     line, or None: a missing name, a shape that differs (a broadcastable one too), a non-finite value."""
@@ -89,6 +88,7 @@ def check_draft_weights(weights: dict, reference: dict) -> str | None:
     return None
 
 
+@torch.no_grad()
 def copy_draft_weights(draft: Eagle3Draft, weights: dict[str, torch.Tensor]) -> None:
     """Copy fresh weights (SGLang names, no embedding) into `draft` in place, so whoever holds the
     module (an engine mid-rollout) sees them at its next step. All or nothing: the weights are
