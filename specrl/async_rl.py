@@ -1,0 +1,186 @@
+"""Asynchronous GRPO with online draft co-training, driven by AReaL's own rollout machinery.
+
+`train_async_rl` is the loop at a glance. AReaL's WorkflowExecutor keeps generating on its own
+thread (RLVRWorkflow episodes, grouped by GRPO's group size, admitted by its StalenessManager:
+at most η = `staleness` versions ahead of the trainer); the trainer thread, per step:
+  1. takes the next batch of groups AReaL has ready (`prepare_batch`), never waiting for a
+     rollout phase to end: generation for later steps is already running;
+  2. the GRPO policy update, whose log-prob forward hands the draft its features (tagged with
+     the trainer's policy version, the newest the engine will serve);
+  3. publishes the new weights AReaL's way: pause the executor, load the weights into the
+     engine between two chunks (requests in flight resume under the new version), set the
+     version, resume;
+  4. draft updates on features of the last η + 1 versions, pushed to the engine (versioned apart
+     from the policy) between chunks; generation keeps running meanwhile, so the draft's cost is
+     whatever it takes from the generation thread, measured as the step's wall time.
+
+The engine is specrl's embedded engine on its own copy of the policy (the trainer updates its
+module while generation runs), served through specrl.integrations.areal.ChunkServer.
+Needs areal 1.0.4 (tests/lanes/areal.sh installs it); without it, one line names the fix.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from types import SimpleNamespace
+
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import Trajectory
+from specrl.integrations.areal import ChunkServer, areal_engine
+from specrl.presets import RunPreset, get_preset
+from specrl.rl_setup import build_task_and_policy, encode_prompts
+from specrl.train_rl import build_cotrainer
+from target_training.grpo import GRPOTrainer
+from target_training.sft import default_cache_dir
+from target_training.tasks import Example, get_task
+
+
+class TokenizerView:
+    """What AReaL's RLVRWorkflow asks of a tokenizer, over specrl's task tokenizer. The pad id is
+    the stop id: RLVRWorkflow adds the pad id to the stop tokens."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.eos_token_id = self.pad_token_id = tokenizer.eos_id
+
+    def decode(self, ids, **kw) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def task_reward(prompt, completions, prompt_ids, completion_ids, *, task_spec, example, **_):
+    """AReaL reward function (runs in its reward process pool, hence picklable and module-level)."""
+    spec = dict(task_spec)
+    return float(get_task(spec.pop("name"), **spec).reward(Example(**example), completions))
+
+
+def batch_to_trajectories(batch: list[dict], stop_ids: tuple[int, ...]):
+    """AReaL's trajectory dicts (one per group, rows padded) as specrl Trajectories in group order,
+    with their rewards and the policy version of each one's first generated token."""
+    trajs, rewards, heads = [], [], []
+    for group in batch:
+        for r in range(group["input_ids"].shape[0]):
+            n = int(group["attention_mask"][r].sum())
+            ids = group["input_ids"][r, :n].tolist()
+            mask = group["loss_mask"][r, :n].bool()
+            start = int(mask.nonzero()[0]) if mask.any() else n
+            tokens = ids[start:]
+            finish = "stop" if tokens and tokens[-1] in stop_ids else "length"
+            trajs.append(Trajectory(prompt_ids=ids[:start], token_ids=tokens,
+                                    logprobs=group["logprobs"][r, start:n].float().clone(), finish_reason=finish))
+            rewards.append(float(group["rewards"][r]))
+            heads.append(int(group["versions"][r, start]) if tokens else -1)
+    return trajs, rewards, heads
+
+
+@dataclasses.dataclass
+class AsyncConfig:
+    staleness: int = 1  # η: AReaL's max_head_offpolicyness
+    chunk_tokens: int = 16  # interruption granularity of a weight update (ChunkServer)
+    concurrent_groups: int = 0  # AReaL's max_concurrent_rollouts in groups (0: (η + 1) x groups per step)
+
+
+def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = "online", acfg: AsyncConfig | None = None,
+                   steps: int | None = None, seed: int = 0, cache_dir=None, fault_at_step: int | None = None,
+                   on_step=None, log=print) -> dict:
+    """`steps` asynchronous GRPO steps; returns {"rows": one dict per step, "summary": ...}.
+    `fault_at_step`: make the engine's draft raise at that step's first chunk (a draft-side fault
+    the run must absorb). `on_step(step, row, run)` is called after each step."""
+    from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
+    from areal.workflow.rlvr import RLVRWorkflow
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    acfg = acfg or AsyncConfig()
+    preset = get_preset(preset_name) if isinstance(preset_name, str) else preset_name
+    preset = preset.with_overrides(rl_steps=steps)
+    cache_dir = default_cache_dir() if cache_dir is None else cache_dir
+    torch.manual_seed(seed)
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir, log)
+    trainer = GRPOTrainer(policy, preset.grpo)
+    engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=preset.max_batch))
+    server = ChunkServer(engine, chunk_tokens=acfg.chunk_tokens, max_batch=preset.max_batch)
+    cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log)
+    if cotrain.enabled:  # the draft learns from the versions a consumed rollout may come from
+        cotrain.config = dataclasses.replace(cotrain.config, recent_versions=acfg.staleness + 1)
+    cotrain.attach(server, trainer)
+
+    G, B = preset.group_size, preset.prompts_per_step
+    groups_in_flight = acfg.concurrent_groups or (acfg.staleness + 1) * B
+    config = InferenceEngineConfig(consumer_batch_size=B, max_head_offpolicyness=acfg.staleness,
+                                   max_concurrent_rollouts=groups_in_flight, enable_rollout_tracing=False)
+    areal = areal_engine(server, config, seed=seed)
+    areal.initialize(train_data_parallel_size=1)
+    gconfig = GenerationHyperparameters(max_new_tokens=preset.max_new_tokens, temperature=preset.temperature,
+                                        stop_token_ids=[tokenizer.eos_id])
+    task_spec = {"name": task_name, **preset.task_kwargs}
+    workflow = RLVRWorkflow(reward_fn=task_reward, gconfig=gconfig, tokenizer=TokenizerView(tokenizer),
+                            get_input_ids_fn=lambda data, tok, thinking: data["input_ids"],
+                            data_extract_prompt_fn=lambda data: data)
+    pool = task.examples("train", max(512, B * 8), seed + 1)
+    data = [{"input_ids": ids, "task_spec": task_spec, "example": dataclasses.asdict(ex)}
+            for ex, ids in zip(pool, encode_prompts(tokenizer, pool))]
+    loader = StatefulDataLoader(data, batch_size=B, shuffle=True, drop_last=True, collate_fn=lambda x: x,
+                                generator=torch.Generator().manual_seed(seed))
+
+    rows = []
+    t_run = time.perf_counter()
+    try:
+        for step in range(preset.rl_steps):
+            t0 = time.perf_counter()
+            if fault_at_step == step and cotrain.enabled:
+                inject_draft_fault(engine)
+            cotrain.begin_step()
+            batch = areal.prepare_batch(loader, workflow, group_size=G)
+            t1 = time.perf_counter()
+            trajs, rewards, heads = batch_to_trajectories(batch, (tokenizer.eos_id,))
+            finished = server.take_finished()
+            cotrain.on_rollout([SimpleNamespace(spec=s) for _, s in finished])
+            metrics = trainer.step(trajs, rewards, G)
+            t2 = time.perf_counter()
+            areal.pause()
+            server.load_policy_weights(policy.state_dict(), step + 1)
+            areal.set_version(step + 1)
+            areal.resume()
+            t3 = time.perf_counter()
+            cotrain.on_policy_update()
+            cotrain.train_draft()
+            row = {"step": step, **metrics, **cotrain.end_step(),
+                   "staleness_max": step - min(heads), "staleness_mean": step - sum(heads) / len(heads),
+                   "wait_s": t1 - t0, "update_s": t2 - t1, "policy_sync_s": t3 - t2,
+                   "draft_s": time.perf_counter() - t3, "step_s": time.perf_counter() - t0,
+                   "tokens": sum(len(t.token_ids) for t in trajs), "rollouts_finished": len(finished),
+                   "spec_faults_total": len(server.draft_faults)}
+            rows.append(row)
+            if on_step is not None:
+                on_step(step, row, SimpleNamespace(server=server, areal=areal, policy=policy, cotrain=cotrain,
+                                                   engine=engine, tokenizer=tokenizer, task=task))
+            log(f"[async η={acfg.staleness}] step {step}: reward {row['reward']:.2f} staleness ≤ {row['staleness_max']} "
+                f"accept {row.get('rollout/spec_accept_length', 0.0):.2f} step {row['step_s']:.2f}s")
+    finally:
+        areal.destroy()
+        server.close()
+    wall = time.perf_counter() - t_run
+    summary = {"task": task_name, "spec": spec, "staleness": acfg.staleness, "chunk_tokens": acfg.chunk_tokens,
+               "steps": len(rows), "wall_s": wall,
+               "staleness_max": max((r["staleness_max"] for r in rows), default=0),
+               "policy_sync_wait_s": server.wait_for_chunk_s, "generation_busy_s": server.busy_s,
+               "spec_faults": len(server.draft_faults)}
+    return {"rows": rows, "summary": summary, "policy": policy, "engine": engine, "cotrain": cotrain,
+            "tokenizer": tokenizer, "task": task}
+
+
+def inject_draft_fault(engine) -> None:
+    """Make the engine's draft raise once, in its next forward (a draft-side crash)."""
+    draft = engine.speculator.draft
+    forward = draft.forward
+
+    def broken(*a, **k):
+        draft.forward = forward
+        raise RuntimeError("injected draft fault")
+
+    draft.forward = broken
+
+
+__all__ = ["train_async_rl", "AsyncConfig", "TokenizerView", "task_reward", "batch_to_trajectories"]
