@@ -32,7 +32,7 @@ from rollout.protocol import Trajectory
 from specrl.integrations.areal import ChunkServer, areal_engine
 from specrl.presets import RunPreset, get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts
-from specrl.train_rl import build_cotrainer
+from specrl.train_rl import RLCallback, RLRun, build_cotrainer
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir
 from target_training.tasks import Example, get_task
@@ -58,8 +58,8 @@ def task_reward(prompt, completions, prompt_ids, completion_ids, *, task_spec, e
 
 def batch_to_trajectories(batch: list[dict], stop_ids: tuple[int, ...]):
     """AReaL's trajectory dicts (one per group, rows padded) as specrl Trajectories in group order,
-    with their rewards and the policy version of each one's first generated token."""
-    trajs, rewards, heads = [], [], []
+    with their rewards and the policy version of each generated token."""
+    trajs, rewards, versions = [], [], []
     for group in batch:
         for r in range(group["input_ids"].shape[0]):
             n = int(group["attention_mask"][r].sum())
@@ -71,8 +71,8 @@ def batch_to_trajectories(batch: list[dict], stop_ids: tuple[int, ...]):
             trajs.append(Trajectory(prompt_ids=ids[:start], token_ids=tokens,
                                     logprobs=group["logprobs"][r, start:n].float().clone(), finish_reason=finish))
             rewards.append(float(group["rewards"][r]))
-            heads.append(int(group["versions"][r, start]) if tokens else -1)
-    return trajs, rewards, heads
+            versions.append(group["versions"][r, start:n].tolist())
+    return trajs, rewards, versions
 
 
 @dataclasses.dataclass
@@ -84,10 +84,13 @@ class AsyncConfig:
 
 def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = "online", acfg: AsyncConfig | None = None,
                    steps: int | None = None, seed: int = 0, cache_dir=None, fault_at_step: int | None = None,
-                   on_step=None, log=print) -> dict:
-    """`steps` asynchronous GRPO steps; returns {"rows": one dict per step, "summary": ...}.
-    `fault_at_step`: make the engine's draft raise at that step's first chunk (a draft-side fault
-    the run must absorb). `on_step(step, row, run)` is called after each step."""
+                   callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
+    """`steps` asynchronous GRPO steps; returns {"rows": one dict per step, "summary": ..., "run": ...}.
+    `fault_at_step`: make the engine's draft raise in its next forward after that step starts (a
+    draft-side fault the run must absorb). `callbacks` (specrl.train_rl.RLCallback) see an RLRun
+    whose engine is the ChunkServer, plus `run.areal` (the AReaL engine) and `run.last_batch`
+    (the step's trajectories and each token's policy version); they run with generation paused,
+    outside the step's wall time."""
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
     from areal.workflow.rlvr import RLVRWorkflow
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -124,9 +127,22 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
     loader = StatefulDataLoader(data, batch_size=B, shuffle=True, drop_last=True, collate_fn=lambda x: x,
                                 generator=torch.Generator().manual_seed(seed))
 
+    run = RLRun(preset, seed, None, cache_dir, tokenizer, task, policy, server, trainer, cotrain)
+    run.areal = areal
+
+    def paused(fn):  # callbacks run with generation paused: they may time or inspect the engine alone
+        areal.pause()
+        server.pause_generation()
+        try:
+            return fn()
+        finally:
+            server.continue_generation()
+            areal.resume()
+
     rows = []
     t_run = time.perf_counter()
     try:
+        paused(lambda: [cb.on_start(run) for cb in callbacks])
         for step in range(preset.rl_steps):
             t0 = time.perf_counter()
             if fault_at_step == step and cotrain.enabled:
@@ -134,7 +150,8 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             cotrain.begin_step()
             batch = areal.prepare_batch(loader, workflow, group_size=G)
             t1 = time.perf_counter()
-            trajs, rewards, heads = batch_to_trajectories(batch, (tokenizer.eos_id,))
+            trajs, rewards, versions = batch_to_trajectories(batch, (tokenizer.eos_id,))
+            heads = [v[0] for v in versions if v]
             finished = server.take_finished()
             cotrain.on_rollout([SimpleNamespace(spec=s) for _, s in finished])
             metrics = trainer.step(trajs, rewards, G)
@@ -153,22 +170,21 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
                    "tokens": sum(len(t.token_ids) for t in trajs), "rollouts_finished": len(finished),
                    "spec_faults_total": len(server.draft_faults)}
             rows.append(row)
-            if on_step is not None:
-                on_step(step, row, SimpleNamespace(server=server, areal=areal, policy=policy, cotrain=cotrain,
-                                                   engine=engine, tokenizer=tokenizer, task=task))
+            run.last_batch = (trajs, versions)
+            paused(lambda: [cb.on_step_end(run, step, row) for cb in callbacks])
             log(f"[async η={acfg.staleness}] step {step}: reward {row['reward']:.2f} staleness ≤ {row['staleness_max']} "
                 f"accept {row.get('rollout/spec_accept_length', 0.0):.2f} step {row['step_s']:.2f}s")
+        wall = time.perf_counter() - t_run
+        summary = {"task": task_name, "spec": spec, "staleness": acfg.staleness, "chunk_tokens": acfg.chunk_tokens,
+                   "steps": len(rows), "wall_s": wall, "steps_s": sum(r["step_s"] for r in rows),
+                   "staleness_max": max((r["staleness_max"] for r in rows), default=0),
+                   "policy_sync_wait_s": server.wait_for_chunk_s, "generation_busy_s": server.busy_s,
+                   "spec_faults": len(server.draft_faults)}
+        paused(lambda: [cb.on_end(run, summary) for cb in callbacks])
     finally:
         areal.destroy()
         server.close()
-    wall = time.perf_counter() - t_run
-    summary = {"task": task_name, "spec": spec, "staleness": acfg.staleness, "chunk_tokens": acfg.chunk_tokens,
-               "steps": len(rows), "wall_s": wall,
-               "staleness_max": max((r["staleness_max"] for r in rows), default=0),
-               "policy_sync_wait_s": server.wait_for_chunk_s, "generation_busy_s": server.busy_s,
-               "spec_faults": len(server.draft_faults)}
-    return {"rows": rows, "summary": summary, "policy": policy, "engine": engine, "cotrain": cotrain,
-            "tokenizer": tokenizer, "task": task}
+    return {"rows": rows, "summary": summary, "run": run}
 
 
 def inject_draft_fault(engine) -> None:

@@ -191,6 +191,11 @@ class ChunkServer:
     captures_features = False  # features come from the trainer's log-prob forward
 
     @property
+    def speculator(self):
+        """The engine's speculator (experiments read its draft)."""
+        return getattr(self.engine, "speculator", None)
+
+    @property
     def last_stats(self) -> dict:
         return {}
 

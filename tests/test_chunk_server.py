@@ -1,0 +1,134 @@
+"""specrl.integrations.areal.ChunkServer, the engine side of the AReaL integration (no AReaL
+needed): many concurrent requests decoded in chunks on one generation thread, policy updates
+and draft pushes between chunks, every token tagged with the policy version that produced it.
+The AReaL side runs in the areal lane (tests/test_upstream_areal.py). fp32 on CPU."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+
+import pytest
+import torch
+
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.protocol import SamplingParams
+from rollout.speculative import SpecConfig
+from specrl.integrations.areal import ChunkServer, merge_spec
+from specrl.rl_setup import encode_prompts
+
+
+def _run_all(server, prompts, params, rids):
+    params = params if isinstance(params, list) else [params] * len(prompts)
+
+    async def main():
+        return await asyncio.gather(*[server.generate(r, p, q) for r, p, q in zip(rids, prompts, params)])
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def setup(sft_policy, offline_draft):
+    tokenizer, task, policy, _ = sft_policy
+    prompts = encode_prompts(tokenizer, task.examples("heldout", 6, 3))
+    return tokenizer, policy, offline_draft, prompts
+
+
+def test_greedy_chunks_with_speculation_equal_one_plain_call(setup, one_thread):
+    tokenizer, policy, draft, prompts = setup
+    # two answer budgets in one chunk round: the shorter requests must stop at their own
+    budgets = [40 if i % 2 else 17 for i in range(len(prompts))]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=n, stop_token_ids=(tokenizer.eos_id,)) for n in budgets]
+    plain_engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
+    plain = [plain_engine.generate([p], q)[0] for p, q in zip(prompts, params)]
+    engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
+    server = ChunkServer(engine, chunk_tokens=7)
+    try:
+        server.install_draft(draft, SpecConfig(mode="chain", gamma=3))
+        out = _run_all(server, prompts, params, [f"r{i}" for i in range(len(prompts))])
+    finally:
+        server.close()
+    assert server.rounds >= 40 // 7  # the answers really were decoded in several chunks
+    for (tokens, logprobs, versions, reason, spec), ref in zip(out, plain):
+        assert tokens == ref.token_ids
+        assert reason == ref.finish_reason
+        torch.testing.assert_close(torch.tensor(logprobs), ref.logprobs, atol=1e-5, rtol=0)
+        assert versions == [0] * len(tokens)
+        assert spec.verify_steps > 0
+    assert sum(s.accepted for *_, s in out) > 0  # the draft did propose and get accepted
+
+
+def test_a_policy_update_lands_between_chunks_and_tags_later_tokens(setup, one_thread):
+    """Requests in flight when the weights change finish under the new version: every token
+    carries the version of the weights that produced it, and its log-prob is that version's."""
+    tokenizer, policy, draft, prompts = setup
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=3)
+    new_policy = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in new_policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
+    server = ChunkServer(engine, chunk_tokens=4)
+    first_round = threading.Event()
+    orig = server._run_round
+
+    def run_round(batch, version):
+        orig(batch, version)
+        first_round.set()
+
+    server._run_round = run_round
+    updater = threading.Thread(target=lambda: (first_round.wait(), server.load_policy_weights(new_policy.state_dict(), 1)))
+    updater.start()
+    try:
+        out = _run_all(server, prompts, params, [f"q{i}" for i in range(len(prompts))])
+    finally:
+        updater.join()
+        server.close()
+    mixed = 0
+    models = {0: policy, 1: new_policy}
+    for prompt, (tokens, logprobs, versions, _, _) in zip(prompts, out):
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+        mixed += len(set(versions)) == 2
+        ids = torch.tensor([prompt + tokens])
+        for v in set(versions):
+            with torch.no_grad():
+                logp = models[v](ids).logits[0, len(prompt) - 1: -1].float().log_softmax(-1)
+            want = logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0]
+            for j, vj in enumerate(versions):
+                if vj == v:
+                    assert abs(logprobs[j] - want[j].item()) < 1e-4, (v, j)
+    assert mixed > 0  # some requests were in flight across the update
+
+
+def test_a_draft_push_waits_for_the_chunk_in_flight(setup):
+    tokenizer, policy, draft, prompts = setup
+    engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
+    server = ChunkServer(engine, chunk_tokens=4)
+    try:
+        server.install_draft(draft, SpecConfig(mode="chain", gamma=3))
+        seen = []
+        orig = engine.push_draft
+
+        def push(weights, version):
+            seen.append(server._busy)
+            orig(weights, version)
+
+        engine.push_draft = push
+        w, _ = server.draft_weights()
+        fut = server.submit("x", prompts[0], 0, 30, SamplingParams(temperature=0.0, max_new_tokens=30))
+        server.push_draft(w, 5)
+        fut.result(timeout=60)
+    finally:
+        server.close()
+    assert seen == [False] and server.draft_version == 5
+
+
+def test_merge_spec_adds_chunks():
+    from rollout.protocol import SpecStats
+
+    a, b = SpecStats(), SpecStats()
+    a.record(3, 2)
+    b.record(4, 4)
+    b.record(2, 0)
+    total = merge_spec(merge_spec(None, a), b)
+    assert (total.verify_steps, total.drafted, total.accepted) == (3, 9, 6)
+    assert total.drafted_per_pos == [3, 3, 2, 1] and total.accepted_per_pos == [2, 2, 1, 1]
