@@ -52,3 +52,8 @@ def import_verl(module: str):
 def import_miles(module: str):
     """`module` from the installed Miles (the miles lane installs miles-rl 0.0.2)."""
     return _lane_import("miles", module)
+
+
+def import_areal(module: str):
+    """`module` from the installed AReaL (the areal lane installs areal 1.0.4 without its dependencies)."""
+    return _lane_import("areal", module)
