@@ -26,6 +26,7 @@ COMMANDS = {
     "train-rl": "specrl.train_rl:train_rl",
     "train-draft": "specrl.drafts:train_draft_command",
     "drift": "experiments.drift:run_drift",
+    "drift --async-staleness": "experiments.async_drift:run_async_drift",
     "bench generate": "experiments.bench.generate:bench_generate",
     "bench speed": "experiments.bench.speed:bench_speed",
     "bench profile": "experiments.bench.profile:bench_profile",
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout and evaluation engine (vllm: installed separately; arms decode greedily)")
     p.add_argument("--steps", type=_int_in(1, MAX_RL_STEPS), default=None,
                    help=steps_help + "; fewer shortens the run (a reduced run: say so when quoting it)")
+    p.add_argument("--async-staleness", type=_int_in(0, 64), nargs="+", default=None, metavar="ETA",
+                   help="the asynchronous variant inside AReaL's loop (areal installed: tests/lanes/areal.sh), "
+                        "one run per staleness bound, e.g. 0 1 4 (0: synchronous); frozen and online arms only")
     p.add_argument("--deep-target", default=None, metavar="PRESET",
                    help="after the run, the same speed-against-batch sweep on this model preset's SFT policy and "
                         "offline draft, e.g. speed (a 12-layer target); '' for none (default: the preset's, "
@@ -308,6 +312,8 @@ def _check_folder(flag: str, path: Path | None) -> None:
 
 def command_key(args: argparse.Namespace) -> str:
     """The COMMANDS key of a parsed command line."""
+    if args.command == "drift" and args.async_staleness is not None:
+        return "drift --async-staleness"
     if args.command != "bench":
         return args.command
     return f"bench {args.bench}" + (" --phases" if args.bench == "overlap" and args.phases else "")
@@ -336,6 +342,12 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
                                                     "engine": args.engine}
     if key == "train-draft":
         return (args.task, args.preset, args.out), {**common, "policy_path": args.policy}
+    if key == "drift --async-staleness":
+        if args.engine != "embedded" or args.deep_target is not None or args.reference_every is not None:
+            raise ValueError("--async-staleness runs the embedded engine without reference or deep target; "
+                             "drop --engine, --reference-every and --deep-target")
+        return (args.preset, args.out), {**common, "task": args.task, "staleness": tuple(args.async_staleness),
+                                         "rl_steps": args.steps}
     if key == "drift":
         return (args.preset, args.out), {**common, "task": args.task, "progress": not args.no_progress,
                                          "reference_every": args.reference_every, "engine": args.engine,
@@ -424,7 +436,7 @@ def interrupted_line(key: str, argv: list[str], out: Path) -> str:
             again = [a for a in argv if a != "--resume"] + ["--resume"]
             return f"specrl: interrupted; continue with: specrl {shlex.join(again)}"
         return f"specrl: interrupted before anything was saved; run it again: specrl {shlex.join(argv)}"
-    if key == "drift":
+    if key.startswith("drift"):
         return f"specrl: interrupted; a drift run does not resume: run it again with another --out (or remove {out})"
     return f"specrl: interrupted; nothing was saved (results are written at the end): run it again"
 

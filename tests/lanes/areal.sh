@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=.venv-areal
 t0=$(date +%s)
-STAMP="$VENV/.specrl-lane-1"  # bump when the install list below changes
+STAMP="$VENV/.specrl-lane-2"  # bump when the install list below changes
 if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('areal') == '1.0.4'; import pytest" >/dev/null 2>&1; then
     python3 -m venv "$VENV"
     "$VENV/bin/pip" install -q -c constraints-cpu.txt torch==2.13.0 pytest safetensors tqdm \
@@ -28,6 +28,7 @@ if [ ! -f "$STAMP" ] || ! "$VENV/bin/python" -c "import importlib.metadata as m;
         typing-inspection==0.4.5 annotated-types==0.8.0 einops==0.8.2 requests==2.34.2 urllib3==2.8.0 \
         certifi==2026.10.19.post1 aiofiles==25.1.0 openai==3.57.0 httpx2==2.16.2 sniffio==1.3.1 \
         anyio==4.16.0 jiter==0.19.0 psutil==7.2.2
+    "$VENV/bin/pip" install -q --no-deps -e .  # `.venv-areal/bin/specrl drift --async-staleness ...`
     touch "$STAMP"
 fi
 t1=$(date +%s)
