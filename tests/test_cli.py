@@ -329,6 +329,28 @@ def test_engine_vllm_without_vllm_is_one_line(tmp_path, cache, capsys, monkeypat
     assert not (tmp_path / "r").exists()  # refused before any work
 
 
+def test_async_drift_without_areal_is_one_line(tmp_path, cache, capsys, monkeypatch):
+    """Where AReaL is not importable (the base lane), --async-staleness names the fix and exits 2."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_areal(name, *args, **kwargs):
+        if name == "areal" or name.startswith("areal."):
+            raise ImportError("No module named 'areal'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_areal)
+    code = main(["drift", "--preset", "ci", "--async-staleness", "0", "1", "--out", str(tmp_path / "d"),
+                 "--cache-dir", str(cache)])
+    assert code == 2
+    line = _err_line(capsys)
+    assert "areal 1.0.4" in line and "tests/lanes/areal.sh" in line
+    assert not (tmp_path / "d").exists()  # refused before any work
+    code = main(["drift", "--preset", "ci", "--async-staleness", "1", "--engine", "vllm", "--out", str(tmp_path / "d")])
+    assert code == 2 and "--async-staleness runs the embedded engine" in _err_line(capsys)
+
+
 # ---------------------------------------------------------------- the front door
 def test_version_and_bench_listing(capsys):
     from importlib.metadata import version

@@ -390,6 +390,56 @@ def test_policy_sync_in_place_serves_the_new_policy_and_never_touches_the_draft(
     assert [t.token_ids for t in spec.generate(prompts, _greedy(setup))] == [t.token_ids for t in before]
 
 
+def test_chunk_server_over_vllm_tags_each_token_with_its_policy_version(setup, spec):
+    """The engine side of the AReaL integration (specrl.integrations.areal.ChunkServer) over
+    vLLM: requests decode 6 tokens a chunk, the policy moves after the first chunk round while
+    requests are in flight, and every token is the greedy choice of the policy version it is
+    tagged with, with that version's log-prob."""
+    import asyncio
+    import threading
+
+    from specrl.integrations.areal import ChunkServer
+
+    policy = setup[2]
+    prompts = _prompts(setup, 8, seed=21)
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    g = torch.Generator().manual_seed(1)
+    moved = {k: v + 0.05 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    server = ChunkServer(spec, chunk_tokens=6, max_batch=16)
+    first_round, run_round = threading.Event(), server._run_round
+
+    def watched(batch, version):
+        run_round(batch, version)
+        first_round.set()
+
+    server._run_round = watched
+    updater = threading.Thread(target=lambda: (first_round.wait(), server.load_policy_weights(moved, 1)))
+    updater.start()
+
+    async def all_requests():
+        return await asyncio.gather(*[server.generate(f"v{i}", p, _greedy(setup)) for i, p in enumerate(prompts)])
+
+    try:
+        out = asyncio.run(all_requests())
+    finally:
+        updater.join()
+        server.close()
+        spec.load_policy_weights(original)
+    other = policy.cfg.build().eval()
+    other.load_state_dict(moved)
+    models, mixed = {0: policy, 1: other}, 0
+    for prompt, (tokens, logprobs, versions, _, _) in zip(prompts, out):
+        assert versions == sorted(versions) and set(versions) <= {0, 1}
+        mixed += len(set(versions)) == 2
+        with torch.no_grad():
+            logps = {v: m(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1].float().log_softmax(-1)
+                     for v, m in models.items()}
+        for j, (tok, v) in enumerate(zip(tokens, versions)):
+            assert tok == int(logps[v][j].argmax()), (j, v)
+            assert abs(logprobs[j] - logps[v][j, tok].item()) < 1e-4
+    assert mixed > 0  # requests were in flight across the update
+
+
 def test_a_policy_sync_whose_prefix_cache_stays_restarts_vllm(setup, spec, monkeypatch):
     """If vLLM will not drop its prefix cache after an in-place sync, KV computed by the old policy
     would be served with the new one: the sync restarts vLLM on the new policy instead (with a
