@@ -41,7 +41,7 @@ class AsyncDriftEvaluator(DriftEvaluator):
 
 def run_async_drift(preset: str, out_dir, *, staleness=(0, 1, 4), seed: int = 0, task: str = "arith", cache_dir=None,
                     rl_steps: int | None = None, eval_every: int | None = None, chunk_tokens: int = 16,
-                    log=print) -> dict:
+                    draft_windows: tuple[str, ...] = ("wait",), log=print) -> dict:
     try:
         from specrl.async_rl import AsyncConfig, train_async_rl
         import areal  # noqa: F401
@@ -62,7 +62,8 @@ def run_async_drift(preset: str, out_dir, *, staleness=(0, 1, 4), seed: int = 0,
     per_eta, metric_rows, eval_rows = {}, [], []
     for eta in staleness:
         evaluator = AsyncDriftEvaluator(dpreset, log=log, task=task)
-        res = train_async_rl(task, dpreset.rl, spec="online", acfg=AsyncConfig(staleness=eta, chunk_tokens=chunk_tokens),
+        res = train_async_rl(task, dpreset.rl, spec="online", acfg=AsyncConfig(staleness=eta, chunk_tokens=chunk_tokens,
+                                                                  draft_windows=tuple(draft_windows)),
                              seed=seed, cache_dir=cache_dir, callbacks=(evaluator,), log=log)
         rows = res["rows"]
         # the same loop with the frozen draft (no draft training): what co-training costs the loop
@@ -80,6 +81,7 @@ def run_async_drift(preset: str, out_dir, *, staleness=(0, 1, 4), seed: int = 0,
         f.writelines(json.dumps(r) + "\n" for r in eval_rows)
     summary = {"preset": preset, "task": task, "seed": seed, "rl_steps": dpreset.rl.rl_steps,
                "eval_batch": dpreset.eval_batch, "eval_prompts": dpreset.eval_prompts, "chunk_tokens": chunk_tokens,
+               "draft_windows": list(draft_windows),
                "staleness": {str(k): v for k, v in per_eta.items()}, "wall_s": time.perf_counter() - t0}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
@@ -92,7 +94,9 @@ def summarize_eta(rows: list[dict], evals: list[dict], run_summary: dict, frozen
     pt = {(r["step"], r["arm"]): r for r in evals}
     k = max(1, len(rows) // 4)  # the first and last quarter of the run's steps
     accept = [r.get("rollout/spec_accept_length", 0.0) for r in rows]
-    draft_share = sum(r["draft_s"] for r in rows) / sum(r["step_s"] for r in rows)
+    total = sum(r["step_s"] for r in rows)
+    draft_share = sum(r["draft_s"] for r in rows) / total  # "between": on the trainer's path
+    wait_share = sum(r["draft_wait_s"] for r in rows) / total  # "wait": while the batch was not ready
     return {"staleness_max": run_summary["staleness_max"],
             "staleness_mean": statistics.fmean(r["staleness_mean"] for r in rows),
             "kl_end": pt[(last, "plain")]["kl_from_start"],
@@ -106,6 +110,9 @@ def summarize_eta(rows: list[dict], evals: list[dict], run_summary: dict, frozen
             "step_s_median": statistics.median(r["step_s"] for r in rows),
             "wait_s_median": statistics.median(r["wait_s"] for r in rows),
             "draft_share_of_step": draft_share,
+            "draft_wait_share_of_step": wait_share,
+            "draft_updates_waiting": sum(r["draft_wait_updates"] for r in rows),
+            "draft_updates": sum(r.get("train/draft_steps", 0) for r in rows),
             "frozen_step_s_median": statistics.median(r["step_s"] for r in frozen),
             "online_over_frozen_step": statistics.median(r["step_s"] for r in rows)
                                        / statistics.median(r["step_s"] for r in frozen),
@@ -124,7 +131,7 @@ def headline(summary: dict) -> list[tuple[str, str]]:
     return [(f"η = {eta}", f"staleness ≤ {s['staleness_max']}; accept length start {s['tau_start']:.2f}, end frozen "
                           f"{s['tau_frozen_end']:.2f} / online {s['tau_online_end']:.2f}; speed-up end frozen "
                           f"x{s['speedup_frozen_end']:.2f} / online x{s['speedup_online_end']:.2f}; draft "
-                          f"{s['draft_share_of_step']:.0%} of a step, step x{s['online_over_frozen_step']:.2f} of frozen's; "
+                          f"{s['draft_share_of_step']:.0%} + {s['draft_wait_share_of_step']:.0%} (waiting) of a step, step x{s['online_over_frozen_step']:.2f} of frozen's; "
                           f"KL {s['kl_end']:.3f}")
             for eta, s in summary["staleness"].items()] + [("wall time", f"{summary['wall_s']:.0f}s")]
 

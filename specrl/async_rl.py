@@ -11,8 +11,10 @@ at most η = `staleness` versions ahead of the trainer); the trainer thread, per
      engine between two chunks (requests in flight resume under the new version), set the
      version, resume;
   4. draft updates on features of the last η + 1 versions, pushed to the engine (versioned apart
-     from the policy) between chunks; generation keeps running meanwhile, so the draft's cost is
-     whatever it takes from the generation thread, measured as the step's wall time.
+     from the policy) between chunks, in two windows (`AsyncConfig.draft_windows`): "wait",
+     before step 1, while the trainer's next batch is still being generated (one update at a
+     time, as long as it is not ready), and "between", here, after the weights are published.
+     Generation keeps running meanwhile on its own thread.
 
 The engine is specrl's embedded engine on its own copy of the policy (the trainer updates its
 module while generation runs), served through specrl.integrations.areal.ChunkServer.
@@ -80,6 +82,12 @@ class AsyncConfig:
     staleness: int = 1  # η: AReaL's max_head_offpolicyness
     chunk_tokens: int = 16  # interruption granularity of a weight update (ChunkServer)
     concurrent_groups: int = 0  # AReaL's max_concurrent_rollouts in groups (0: (η + 1) x groups per step)
+    # where the draft trains (specrl.scheduler): "wait", while the trainer waits for its next batch,
+    # and/or "between", after the policy update, on the trainer's path (it delays the next update
+    # and the next weights). `specrl drift --async-staleness` on the quick drift model, 40 steps:
+    # "between" made the loop's step x1.44 / x1.48 of the frozen draft's at η = 1 / 4, "wait" x1.00 /
+    # x0.95, the online draft ahead of the frozen one in both (docs/results.md)
+    draft_windows: tuple[str, ...] = ("wait",)
 
 
 def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = "online", acfg: AsyncConfig | None = None,
@@ -104,9 +112,12 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
     trainer = GRPOTrainer(policy, preset.grpo)
     engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=preset.max_batch))
     server = ChunkServer(engine, chunk_tokens=acfg.chunk_tokens, max_batch=preset.max_batch)
+    # the draft learns from the versions a consumed rollout may come from, in the loop's windows
+    cot = preset.cotrain
+    preset = dataclasses.replace(preset, cotrain=dataclasses.replace(
+        cot, recent_versions=acfg.staleness + 1,
+        scheduler=dataclasses.replace(cot.scheduler, windows=tuple(acfg.draft_windows))))
     cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log)
-    if cotrain.enabled:  # the draft learns from the versions a consumed rollout may come from
-        cotrain.config = dataclasses.replace(cotrain.config, recent_versions=acfg.staleness + 1)
     cotrain.attach(server, trainer)
 
     G, B = preset.group_size, preset.prompts_per_step
@@ -139,7 +150,13 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             server.continue_generation()
             areal.resume()
 
-    rows = []
+    rows, dropped, fetched = [], 0, [0]
+    ready: list[dict] = []  # groups AReaL returned beyond a step's batch, for the next step
+
+    def fetch():
+        got = areal.prepare_batch(loader, workflow, group_size=G)
+        fetched[0] += len(got)
+        return got
     t_run = time.perf_counter()
     try:
         paused(lambda: [cb.on_start(run) for cb in callbacks])
@@ -148,7 +165,12 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             if fault_at_step == step and cotrain.enabled:
                 inject_draft_fault(engine)
             cotrain.begin_step()
-            batch = areal.prepare_batch(loader, workflow, group_size=G)
+            # the "wait" window: while the next batch is still being generated (groups taken from
+            # AReaL and not yet used count as ready)
+            waited = cotrain.train_while(lambda: batch_pending(areal, fetched[0] - len(ready), B))
+            t_wait_draft = time.perf_counter()
+            batch, ready, stale = fresh_groups(ready, step, acfg.staleness, B, fetch)
+            dropped += stale
             t1 = time.perf_counter()
             trajs, rewards, versions = batch_to_trajectories(batch, (tokenizer.eos_id,))
             heads = [v[0] for v in versions if v]
@@ -165,9 +187,11 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             cotrain.train_draft()
             row = {"step": step, **metrics, **cotrain.end_step(),
                    "staleness_max": step - min(heads), "staleness_mean": step - sum(heads) / len(heads),
-                   "wait_s": t1 - t0, "update_s": t2 - t1, "policy_sync_s": t3 - t2,
+                   "wait_s": t1 - t_wait_draft, "update_s": t2 - t1, "policy_sync_s": t3 - t2,
+                   "draft_wait_s": t_wait_draft - t0, "draft_wait_updates": waited,
                    "draft_s": time.perf_counter() - t3, "step_s": time.perf_counter() - t0,
                    "tokens": sum(len(t.token_ids) for t in trajs), "rollouts_finished": len(finished),
+                   "stale_groups_dropped": stale,
                    "spec_faults_total": len(server.draft_faults)}
             rows.append(row)
             run.last_batch = (trajs, versions)
@@ -178,6 +202,7 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
         summary = {"task": task_name, "spec": spec, "staleness": acfg.staleness, "chunk_tokens": acfg.chunk_tokens,
                    "steps": len(rows), "wall_s": wall, "steps_s": sum(r["step_s"] for r in rows),
                    "staleness_max": max((r["staleness_max"] for r in rows), default=0),
+                   "stale_groups_dropped": dropped,
                    "policy_sync_wait_s": server.wait_for_chunk_s, "generation_busy_s": server.busy_s,
                    "spec_faults": len(server.draft_faults)}
         paused(lambda: [cb.on_end(run, summary) for cb in callbacks])
@@ -185,6 +210,33 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
         areal.destroy()
         server.close()
     return {"rows": rows, "summary": summary, "run": run}
+
+
+def fresh_groups(ready: list[dict], version: int, staleness: int, batch: int, fetch) -> tuple[list[dict], list[dict], int]:
+    """The trainer's next `batch` groups, none more than `staleness` versions behind `version`
+    (the trainer's): AReaL's StalenessManager bounds how many rollouts it admits per version,
+    which bounds their staleness only if they finish in order; a group admitted early that
+    finishes late can be consumed η + 1 versions on or more. Such groups are dropped here, at
+    consumption, and counted. `ready` holds groups fetched earlier and not used; `fetch()` returns
+    AReaL's next batch. Returns (batch, groups left for later, groups dropped)."""
+    out, dropped = [], 0
+    while len(out) < batch:
+        if not ready:
+            ready = list(fetch())
+        group = ready.pop(0)
+        head = int(group["versions"][group["loss_mask"].bool()].min())  # its oldest generated token
+        if version - head > staleness:
+            dropped += 1
+        else:
+            out.append(group)
+    return out, ready, dropped
+
+
+def batch_pending(areal, consumed: int, batch: int) -> bool:
+    """Whether the trainer's next batch is still being generated: fewer than `batch` groups
+    finished beyond the `consumed` ones, and some running (AReaL's StalenessManager counts)."""
+    stat = areal.workflow_executor.staleness_manager.get_stats()
+    return stat.accepted - consumed < batch and stat.running > 0
 
 
 def inject_draft_fault(engine) -> None:

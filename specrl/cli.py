@@ -204,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-staleness", type=_int_in(0, 64), nargs="+", default=None, metavar="ETA",
                    help="the asynchronous variant inside AReaL's loop (areal installed: tests/lanes/areal.sh), "
                         "one run per staleness bound, e.g. 0 1 4 (0: synchronous); frozen and online arms only")
+    p.add_argument("--async-windows", nargs="+", choices=["wait", "between"], default=["wait"],
+                   help="(--async-staleness) where the draft trains: while the trainer waits for its batch, "
+                        "and/or after the policy update")
     p.add_argument("--deep-target", default=None, metavar="PRESET",
                    help="after the run, the same speed-against-batch sweep on this model preset's SFT policy and "
                         "offline draft, e.g. speed (a 12-layer target); '' for none (default: the preset's, "
@@ -347,7 +350,7 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
             raise ValueError("--async-staleness runs the embedded engine without reference or deep target; "
                              "drop --engine, --reference-every and --deep-target")
         return (args.preset, args.out), {**common, "task": args.task, "staleness": tuple(args.async_staleness),
-                                         "rl_steps": args.steps}
+                                         "rl_steps": args.steps, "draft_windows": tuple(args.async_windows)}
     if key == "drift":
         return (args.preset, args.out), {**common, "task": args.task, "progress": not args.no_progress,
                                          "reference_every": args.reference_every, "engine": args.engine,

@@ -17,7 +17,7 @@ from target_training.config import require_positive
 
 Mode = Literal["off", "frozen", "online"]
 FeatureSource = Literal["trainer", "engine", "both"]
-Window = Literal["tail", "between", "interleaved"]
+Window = Literal["tail", "between", "interleaved", "wait"]
 SchedulerMode = Literal["sequential", "overlap"]
 OverlapUntil = Literal["step", "rollout"]
 BudgetRule = Literal["fixed", "acceptance"]

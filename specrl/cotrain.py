@@ -200,6 +200,22 @@ class SpecCoTrainer:
         self.scheduler.run_window(window, self._train_burst)
         return self.metrics()
 
+    def train_while(self, waiting) -> int:
+        """The "wait" window of an asynchronous loop: draft updates, one at a time, while
+        `waiting()` holds (the trainer's next batch is not ready yet) and the step's update count
+        and time budget last; each update is pushed to the engine. Returns the updates run.
+        Sequential mode only (the overlapped mode has its own thread)."""
+        if self.draft_trainer is None or self._overlap is not None:
+            return 0
+        n = 0
+        while waiting():
+            before = self._draft_steps_this_rl_step
+            self.scheduler.run_window("wait", lambda remaining: self._train_burst(remaining, 1))
+            if self._draft_steps_this_rl_step == before:
+                break
+            n += 1
+        return n
+
     def end_step(self) -> dict:
         """Close the RL step's accounting; returns the metrics to log."""
         if not self.enabled:

@@ -20,7 +20,10 @@ the scheduler hands out time, not steps:
     before the next rollout;
   "interleaved" - inside the policy update, between its micro-steps: the trainer calls its
     `microstep_hooks` after every optimizer micro-step but the last (GRPOTrainer does, when its
-    minibatch_size splits the batch), and the co-trainer runs an update there.
+    minibatch_size splits the batch), and the co-trainer runs an update there;
+  "wait" - in an asynchronous loop (specrl.async_rl), while the trainer waits for its next batch
+    of rollouts, which generation on the other thread is still producing: one update at a time,
+    as long as the batch is not ready (`SpecCoTrainer.train_while`).
 - A unit of work is started only while budget remains and is told the seconds left; a unit that
   runs past them is the only possible overrun, and it is reported as `sched/overrun_s`.
 - Time spent is the larger of what the work reports and what the clock saw, so an asynchronous

@@ -142,3 +142,44 @@ def test_merge_spec_adds_chunks():
     total = merge_spec(merge_spec(None, a), b)
     assert (total.verify_steps, total.drafted, total.accepted) == (3, 9, 6)
     assert total.drafted_per_pos == [3, 3, 2, 1] and total.accepted_per_pos == [2, 2, 1, 1]
+
+
+def test_the_saving_speculation_reports_reaches_the_co_trainer(setup):
+    """A priced draft budget pays from the engine's estimated saving: the server hands the sum
+    over its chunk rounds to `last_stats` at `take_finished`, and nothing when no round ran."""
+    tokenizer, policy, draft, prompts = setup
+    engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
+    generate = engine.generate
+
+    def reporting(*a, **k):
+        out = generate(*a, **k)
+        engine.last_stats = {**engine.last_stats, "spec_saved_s": 0.25}
+        return out
+
+    engine.generate = reporting
+    server = ChunkServer(engine, chunk_tokens=6)
+    try:
+        params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(tokenizer.eos_id,))
+        _run_all(server, prompts[:3], params, ["a", "b", "c"])
+        assert server.last_stats == {}  # nothing closed yet
+        server.take_finished()
+        assert server.last_stats["spec_saved_s"] == pytest.approx(0.25 * server.rounds) and server.rounds >= 2
+        server.take_finished()
+        assert server.last_stats == {}
+    finally:
+        server.close()
+
+
+def test_groups_staler_than_the_bound_are_dropped_at_consumption():
+    """specrl.async_rl.fresh_groups: AReaL admits rollouts by version, but one that finishes out
+    of order can be consumed later than the bound allows; it is dropped, and unused groups wait."""
+    from specrl.async_rl import fresh_groups
+
+    def group(head):  # one row: a prompt token, then two generated tokens at versions head, head + 1
+        return {"versions": torch.tensor([[-1, head, head + 1]]), "loss_mask": torch.tensor([[0, 1, 1]])}
+
+    batches = iter([[group(3), group(1), group(4)], [group(2), group(5)]])
+    got, left, dropped = fresh_groups([], 4, 2, 2, lambda: next(batches))  # trainer at version 4, η = 2
+    assert [int(g["versions"][0, 1]) for g in got] == [3, 4] and dropped == 1 and left == []
+    got, left, dropped = fresh_groups(left, 4, 2, 1, lambda: next(batches))
+    assert [int(g["versions"][0, 1]) for g in got] == [2] and len(left) == 1 and dropped == 0

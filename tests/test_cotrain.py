@@ -229,6 +229,28 @@ def test_pushed_weights_are_checked_before_use(sft_policy, offline_draft, monkey
     assert cot.speculator.version == cot.draft_trainer.version
 
 
+def test_the_wait_window_trains_one_update_at_a_time_while_the_batch_is_pending(sft_policy, offline_draft):
+    """train_while (an asynchronous loop's "wait" window): one update per check of `waiting`,
+    each pushed to the engine, never past the step's update count, and nothing when the window
+    is not enabled."""
+    from specrl.config import DraftBudgetConfig, SchedulerConfig
+
+    sched = SchedulerConfig(windows=("wait", "between"), draft_steps=DraftBudgetConfig(base_steps=3))
+    cot = _online_cotrainer(sft_policy, offline_draft, scheduler=sched, max_draft_steps=3)
+    checks = []
+    cot.begin_step()
+    assert cot.train_while(lambda: checks.append(cot.draft_trainer.version) or len(checks) <= 2) == 2
+    assert checks == [0, 1, 2]  # the batch became ready at the third check: two updates
+    assert cot.speculator.version == cot.draft_trainer.version == 2  # each update reached the engine
+    assert cot.train_while(lambda: True) == 1  # the step's third and last update
+    assert cot.train_while(lambda: True) == 0
+    assert cot.train_draft()["train/draft_steps"] == 3  # nothing left for "between" either
+    cot.end_step()
+    off = _online_cotrainer(sft_policy, offline_draft, scheduler=SchedulerConfig(windows=("between",)))
+    off.begin_step()
+    assert off.train_while(lambda: True) == 0 and off.draft_trainer.version == 0
+
+
 def test_quick_presets_cotraining_runs_every_update_acceptance_grants(sft_policy, tmp_path):
     """The `quick` preset's co-training settings (on the CI model, for speed): one update in the
     first step, never more than DRAFT_UPDATES_PER_STEP["quick"], and every update the

@@ -102,6 +102,7 @@ class ChunkServer:
         self.rounds = 0
         self.busy_s = 0.0  # wall time inside generate
         self.wait_for_chunk_s = 0.0  # time updates waited for the chunk in flight
+        self._saved_s, self._saved_rounds, self._last_stats = 0.0, 0, {}  # speculation's estimated saving
         self._thread = threading.Thread(target=self._loop, name="specrl-chunk-server", daemon=True)
         self._thread.start()
 
@@ -179,8 +180,12 @@ class ChunkServer:
         return self._version
 
     def take_finished(self) -> list[tuple[int, SpecStats | None]]:
+        """The requests finished since the last call ((first-token version, acceptance) each);
+        also closes `last_stats` over the same rounds."""
         with self._cv:
             out, self.finished = self.finished, []
+            self._last_stats = {"spec_saved_s": self._saved_s} if self._saved_rounds else {}
+            self._saved_s, self._saved_rounds = 0.0, 0
         return out
 
     # -- DraftReceiver: the co-training core's calls, between chunks ------------------------
@@ -197,7 +202,10 @@ class ChunkServer:
 
     @property
     def last_stats(self) -> dict:
-        return {}
+        """What the co-training core reads after a rollout (RolloutEngine.last_stats): the seconds
+        speculation saved (the engine's estimate, where it makes one) over the chunk rounds before
+        the last `take_finished`; a priced draft budget pays its updates from it."""
+        return dict(self._last_stats)
 
     def install_draft(self, draft, spec, controller=None) -> None:
         self._between_chunks(lambda: self.engine.install_draft(draft, spec, controller=controller))
@@ -252,6 +260,11 @@ class ChunkServer:
                                     stop_token_ids=p.stop_token_ids, seed=p.seed)
             trajs = self.engine.generate([c.input_ids for c in chunks], params,
                                          request_ids=[noise_key(c.rid, c.n_done) for c in chunks])
+            saved = (getattr(self.engine, "last_stats", None) or {}).get("spec_saved_s")
+            if saved is not None:
+                with self._cv:
+                    self._saved_s += saved
+                    self._saved_rounds += 1
             for c, t in zip(chunks, trajs):
                 keep = min(len(t.token_ids), c.remaining)  # a longer round decodes past this request's end
                 stopped = t.finish_reason == "stop" and keep == len(t.token_ids)
