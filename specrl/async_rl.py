@@ -88,6 +88,9 @@ class AsyncConfig:
     # "between" made the loop's step x1.44 / x1.48 of the frozen draft's at η = 1 / 4, "wait" x1.00 /
     # x0.95, the online draft ahead of the frozen one in both (docs/results.md)
     draft_windows: tuple[str, ...] = ("wait",)
+    # the decoupled PPO weight on stale rollouts (GRPOConfig.behaviour_weight_cap; AReaL's former
+    # default cap is 5.0); None: the preset's objective, clipped against recomputed log-probs only
+    behaviour_weight_cap: float | None = None
 
 
 def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = "online", acfg: AsyncConfig | None = None,
@@ -109,7 +112,7 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
     cache_dir = default_cache_dir() if cache_dir is None else cache_dir
     torch.manual_seed(seed)
     tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir, log)
-    trainer = GRPOTrainer(policy, preset.grpo)
+    trainer = GRPOTrainer(policy, dataclasses.replace(preset.grpo, behaviour_weight_cap=acfg.behaviour_weight_cap))
     engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=preset.max_batch))
     server = ChunkServer(engine, chunk_tokens=acfg.chunk_tokens, max_batch=preset.max_batch)
     # the draft learns from the versions a consumed rollout may come from, in the loop's windows

@@ -39,6 +39,13 @@ class GRPOConfig:
     # update depends only on the tokens, never on how the engine computed its numbers);
     # "engine": the engine's log-probs (they agree to ~1e-6, see tests/test_grpo.py).
     old_logprobs: str = "trainer"
+    # Decoupled PPO for stale rollouts (AReaL's objective, its token-mask mode): with a cap, each token's clipped
+    # surrogate is also weighted by exp(trainer's log-prob before the update - the rollout's own
+    # log-prob), the importance weight from the policy that sampled it to the one the clip is
+    # taken against, and tokens whose weight exceeds the cap are left out of the loss (the mean
+    # still divides by every response token). None: no such weight. Needs old_logprobs "trainer"
+    # (with "engine" the two log-probs are one and the weight is 1).
+    behaviour_weight_cap: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("lr", "clip_eps", "max_grad_norm", "temperature"):
@@ -46,6 +53,9 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name} must be positive, got {getattr(self, name)}")
         if self.old_logprobs not in ("trainer", "engine"):
             raise ValueError(f"GRPOConfig.old_logprobs must be 'trainer' or 'engine', got {self.old_logprobs!r}")
+        if self.behaviour_weight_cap is not None and (self.behaviour_weight_cap <= 0 or self.old_logprobs != "trainer"):
+            raise ValueError(f"GRPOConfig.behaviour_weight_cap must be positive and needs old_logprobs='trainer', got "
+                             f"{self.behaviour_weight_cap!r} with {self.old_logprobs!r}")
         if self.ppo_epochs <= 0 or self.minibatch_size < 0 or self.kl_coef < 0:
             raise ValueError("GRPOConfig: ppo_epochs must be positive, minibatch_size and kl_coef non-negative")
 
@@ -84,13 +94,26 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.cat([pad, lp], 1), torch.cat([pad, ent], 1)
 
 
-def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0):
-    """Token-level clipped surrogate (mean over response tokens), optional k3 KL to a reference."""
+def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0,
+              behaviour_logp=None, weight_cap: float | None = None):
+    """Token-level clipped surrogate (mean over response tokens), optional k3 KL to a reference.
+    With `behaviour_logp` (the log-probs of the policy that sampled the tokens) and `weight_cap`,
+    the decoupled objective: each token's surrogate times exp(old_logp - behaviour_logp), tokens
+    whose weight exceeds the cap dropped (GRPOConfig.behaviour_weight_cap)."""
     m = mask.float()
     n = m.sum().clamp(min=1)
     ratio = torch.exp(logp - old_logp)
     a = adv[:, None]
     surrogate = torch.minimum(ratio * a, ratio.clamp(1 - clip_eps, 1 + clip_eps) * a)
+    extra = {}
+    if weight_cap is not None:
+        w = torch.exp(old_logp.detach() - behaviour_logp)
+        keep = (w <= weight_cap) & mask
+        surrogate = surrogate * torch.where(keep, w, torch.zeros_like(w))
+        kept = keep.float()
+        extra = {"behaviour_weight": ((torch.where(keep, w, torch.zeros_like(w)) * kept).sum()
+                                      / kept.sum().clamp(min=1)).item(),  # mean over the kept tokens
+                 "behaviour_capped": ((m - kept).sum() / n).item()}  # fraction of tokens dropped
     pg_loss = -(surrogate * m).sum() / n
     loss = pg_loss
     kl = torch.zeros(())
@@ -99,7 +122,7 @@ def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef
         kl = ((torch.exp(d) - d - 1) * m).sum() / n
         loss = loss + kl_coef * kl
     clip_frac = (((ratio - 1).abs() > clip_eps).float() * m).sum() / n
-    return loss, {"pg_loss": pg_loss.item(), "kl_ref": kl.item(), "clip_frac": clip_frac.item()}
+    return loss, {"pg_loss": pg_loss.item(), "kl_ref": kl.item(), "clip_frac": clip_frac.item(), **extra}
 
 
 def router_balance(expert_counts: torch.Tensor | None) -> float:
@@ -152,7 +175,8 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
             mask = batch["response_mask"][sl]
             old = logp.detach() if cfg.old_logprobs == "trainer" and single_update else batch["old_logp"][sl]
             loss, m = grpo_loss(logp, old, adv[sl], mask, cfg.clip_eps,
-                                ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef)
+                                ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef,
+                                behaviour_logp=engine_logp[sl], weight_cap=cfg.behaviour_weight_cap)
             if aux_coef is not None:
                 loss = loss + aux_coef * out.aux_loss
             grad_norm = apply_gradients(loss)

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
@@ -37,6 +38,30 @@ def test_clipping_blocks_gradient_beyond_trust_region():
     assert logp.grad[0, 0] == 0 and logp.grad[0, 2] == 0  # masked, and clipped (positive advantage, ratio > 1+eps)
     assert logp.grad[0, 1] < 0
     assert m["clip_frac"] == 0.5
+
+
+def test_decoupled_objective_weights_each_token_by_its_behaviour_ratio_and_drops_the_capped():
+    """GRPOConfig.behaviour_weight_cap: each token's surrogate times exp(old - behaviour); a token
+    whose weight exceeds the cap gives no gradient, and the mean still divides by every token."""
+    logp = torch.tensor([[0.0, -0.2, -0.4, -0.1]], requires_grad=True)
+    old = logp.detach().clone()  # the trainer's log-probs before the update: every ratio is 1
+    # token 1 fresh (weight 1), token 2 sampled by an older policy (weight e^0.5), token 3 by one
+    # far off (weight e^2 = 7.4, over the cap of 5: dropped)
+    behaviour = old - torch.tensor([[0.0, 0.0, 0.5, 2.0]])
+    mask = torch.tensor([[False, True, True, True]])
+    plain, _ = grpo_loss(logp, old, torch.tensor([1.0]), mask, clip_eps=0.2)
+    loss, m = grpo_loss(logp, old, torch.tensor([1.0]), mask, clip_eps=0.2, behaviour_logp=behaviour, weight_cap=5.0)
+    loss.backward()
+    g, e = logp.grad[0], torch.tensor(0.5).exp()
+    assert g[0] == 0 and g[3] == 0  # not a response token; capped
+    assert torch.isclose(g[2] / g[1], e)  # weighted by exp(old - behaviour)
+    assert torch.isclose(loss, -(1 + e) / 3)  # the mean divides by all 3 response tokens
+    assert m["behaviour_capped"] == pytest.approx(1 / 3) and m["behaviour_weight"] == pytest.approx(float(1 + e) / 2)
+    assert torch.isclose(plain, torch.tensor(-1.0))
+    same, _ = grpo_loss(logp, old, torch.tensor([1.0]), mask, clip_eps=0.2, behaviour_logp=old, weight_cap=5.0)
+    assert torch.isclose(same, plain)  # fresh rollouts (behaviour = old): the plain objective
+    with pytest.raises(ValueError, match="behaviour_weight_cap must be positive and needs old_logprobs='trainer'"):
+        GRPOConfig(behaviour_weight_cap=5.0, old_logprobs="engine")
 
 
 def test_grpo_step_raises_reward_of_preferred_token(tiny_model, prompts):

@@ -130,10 +130,13 @@ def test_async_grpo_holds_the_staleness_bound_and_serving_logprobs(areal, cache,
     monkeypatch.setattr(integration.ChunkServer, "_run_round", slow_round)
     snaps = Snapshots()
     out = async_rl.train_async_rl("arith", "ci", spec="online", steps=8, seed=0, cache_dir=cache,
-                                  acfg=async_rl.AsyncConfig(staleness=eta, chunk_tokens=8), callbacks=(snaps,),
-                                  log=lambda *a: None)
+                                  acfg=async_rl.AsyncConfig(staleness=eta, chunk_tokens=8,
+                                                            behaviour_weight_cap=5.0 if eta == 4 else None),
+                                  callbacks=(snaps,), log=lambda *a: None)
     rows = out["rows"]
     assert len(rows) == 8
+    if eta == 4:  # the decoupled objective ran: stale tokens weighted by their behaviour ratio
+        assert all(0.5 < r["behaviour_weight"] < 2.0 and 0 <= r["behaviour_capped"] < 0.05 for r in rows)
     assert max(r["staleness_max"] for r in rows) <= eta
     if eta > 0:  # the bound was reached: generation did run ahead of the trainer
         assert max(r["staleness_max"] for r in rows) >= 1

@@ -253,6 +253,7 @@ class ChunkServer:
             p = c.params
             groups.setdefault((p.temperature, p.top_p, p.top_k, p.stop_token_ids, p.seed), []).append(c)
         t0 = time.perf_counter()
+        done = []
         for chunks in groups.values():
             n = min(self.chunk_tokens, max(c.remaining for c in chunks))
             p = chunks[0].params
@@ -268,10 +269,12 @@ class ChunkServer:
             for c, t in zip(chunks, trajs):
                 keep = min(len(t.token_ids), c.remaining)  # a longer round decodes past this request's end
                 stopped = t.finish_reason == "stop" and keep == len(t.token_ids)
-                c.future.set_result(ChunkResult(list(t.token_ids[:keep]), t.logprobs[:keep].tolist(), version,
-                                                stopped, t.spec))
+                done.append((c.future, ChunkResult(list(t.token_ids[:keep]), t.logprobs[:keep].tolist(), version,
+                                                   stopped, t.spec)))
         self.busy_s += time.perf_counter() - t0
         self.rounds += 1
+        for fut, result in done:  # the round's counters are in before any request sees its result
+            fut.set_result(result)
 
     def close(self) -> None:
         with self._cv:
