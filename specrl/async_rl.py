@@ -153,7 +153,7 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             server.continue_generation()
             areal.resume()
 
-    rows, dropped, fetched = [], 0, [0]
+    rows, fetched = [], [0]
     ready: list[dict] = []  # groups AReaL returned beyond a step's batch, for the next step
 
     def fetch():
@@ -173,12 +173,11 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             waited = cotrain.train_while(lambda: batch_pending(areal, fetched[0] - len(ready), B))
             t_wait_draft = time.perf_counter()
             batch, ready, stale = fresh_groups(ready, step, acfg.staleness, B, fetch)
-            dropped += stale
             t1 = time.perf_counter()
             trajs, rewards, versions = batch_to_trajectories(batch, (tokenizer.eos_id,))
             heads = [v[0] for v in versions if v]
             finished = server.take_finished()
-            cotrain.on_rollout([SimpleNamespace(spec=s) for _, s in finished])
+            cotrain.on_rollout([SimpleNamespace(spec=s) for s in finished])
             metrics = trainer.step(trajs, rewards, G)
             t2 = time.perf_counter()
             areal.pause()
@@ -205,7 +204,7 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
         summary = {"task": task_name, "spec": spec, "staleness": acfg.staleness, "chunk_tokens": acfg.chunk_tokens,
                    "steps": len(rows), "wall_s": wall, "steps_s": sum(r["step_s"] for r in rows),
                    "staleness_max": max((r["staleness_max"] for r in rows), default=0),
-                   "stale_groups_dropped": dropped,
+                   "stale_groups_dropped": sum(r["stale_groups_dropped"] for r in rows),
                    "policy_sync_wait_s": server.wait_for_chunk_s, "generation_busy_s": server.busy_s,
                    "spec_faults": len(server.draft_faults)}
         paused(lambda: [cb.on_end(run, summary) for cb in callbacks])

@@ -309,18 +309,23 @@ def test_bench_speed_bad_gamma_or_repeats(tmp_path, capsys, flag):
     assert not (tmp_path / "summary.json").exists()
 
 
-def test_engine_vllm_without_vllm_is_one_line(tmp_path, cache, capsys, monkeypatch):
-    """Where vLLM is not importable (the base lane), --engine vllm names the fix and exits 2."""
+def _without_package(monkeypatch, package: str) -> None:
+    """Make `package` (and its submodules) fail to import for the rest of the test."""
     import builtins
 
     real_import = builtins.__import__
 
-    def no_vllm(name, *args, **kwargs):
-        if name == "vllm" or name.startswith("vllm."):
-            raise ImportError("No module named 'vllm'")
+    def blocked(name, *args, **kwargs):
+        if name == package or name.startswith(package + "."):
+            raise ImportError(f"No module named {package!r}")
         return real_import(name, *args, **kwargs)
 
-    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    monkeypatch.setattr(builtins, "__import__", blocked)
+
+
+def test_engine_vllm_without_vllm_is_one_line(tmp_path, cache, capsys, monkeypatch):
+    """Where vLLM is not importable (the base lane), --engine vllm names the fix and exits 2."""
+    _without_package(monkeypatch, "vllm")
     code = main(["train-rl", "--engine", "vllm", "--out", str(tmp_path / "r"), "--cache-dir", str(cache),
                  "--no-progress"])
     assert code == 2
@@ -331,16 +336,7 @@ def test_engine_vllm_without_vllm_is_one_line(tmp_path, cache, capsys, monkeypat
 
 def test_async_drift_without_areal_is_one_line(tmp_path, cache, capsys, monkeypatch):
     """Where AReaL is not importable (the base lane), --async-staleness names the fix and exits 2."""
-    import builtins
-
-    real_import = builtins.__import__
-
-    def no_areal(name, *args, **kwargs):
-        if name == "areal" or name.startswith("areal."):
-            raise ImportError("No module named 'areal'")
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_areal)
+    _without_package(monkeypatch, "areal")
     code = main(["drift", "--preset", "ci", "--async-staleness", "0", "1", "--out", str(tmp_path / "d"),
                  "--cache-dir", str(cache)])
     assert code == 2

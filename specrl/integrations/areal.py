@@ -98,7 +98,7 @@ class ChunkServer:
         self._busy = False
         self._closed = False
         self._version = version
-        self.finished: list[tuple[int, SpecStats | None]] = []  # (first-token version, stats) per finished request
+        self.finished: list[SpecStats | None] = []  # acceptance of each request finished since take_finished
         self.rounds = 0
         self.busy_s = 0.0  # wall time inside generate
         self.wait_for_chunk_s = 0.0  # time updates waited for the chunk in flight
@@ -124,6 +124,7 @@ class ChunkServer:
         logprobs: list[float] = []
         versions: list[int] = []
         spec = None
+        reason = "length"
         while len(tokens) < params.max_new_tokens:
             while wait_while():
                 await asyncio.sleep(0.01)
@@ -134,12 +135,11 @@ class ChunkServer:
             versions += [res.version] * len(res.tokens)
             spec = merge_spec(spec, res.spec)
             if res.finished:
-                with self._cv:
-                    self.finished.append((versions[0], spec))
-                return tokens, logprobs, versions, "stop", spec
+                reason = "stop"
+                break
         with self._cv:
-            self.finished.append((versions[0] if versions else self._version, spec))
-        return tokens, logprobs, versions, "length", spec
+            self.finished.append(spec)
+        return tokens, logprobs, versions, reason, spec
 
     # -- updates (between chunks) -----------------------------------------------------------
     def pause_generation(self) -> None:
@@ -179,8 +179,8 @@ class ChunkServer:
     def version(self) -> int:
         return self._version
 
-    def take_finished(self) -> list[tuple[int, SpecStats | None]]:
-        """The requests finished since the last call ((first-token version, acceptance) each);
+    def take_finished(self) -> list[SpecStats | None]:
+        """The acceptance of each request finished since the last call;
         also closes `last_stats` over the same rounds."""
         with self._cv:
             out, self.finished = self.finished, []
@@ -288,7 +288,7 @@ class ChunkServer:
     def acceptance(self) -> dict:
         """Accept length over the requests finished since the last `take_finished`."""
         with self._cv:
-            return summarize_spec_stats(s for _, s in self.finished)
+            return summarize_spec_stats(self.finished)
 
 
 def sampling_params(gconfig, seed: int = 0) -> SamplingParams:
