@@ -101,8 +101,10 @@ def _spy_steps(monkeypatch) -> list[Step]:
     def on_chain(step, prop, target, layers):
         v = chain(step, prop, target, layers)
         g = prop.tokens.shape[1]
+        q = (prop.draft_logp.exp() if prop.draft_logp is not None  # None: a point mass on each drafted token
+             else torch.nn.functional.one_hot(prop.tokens, V).float())
         for r, (st, n) in enumerate(zip(step.states, (v.counts - 1).tolist())):
-            steps.append(Step(st.request_id, len(st.tokens), n, g, q=prop.draft_logp[r].exp()))
+            steps.append(Step(st.request_id, len(st.tokens), n, g, q=q[r]))
         return v
 
     def on_tree(step, prop, target, layers):
@@ -127,12 +129,14 @@ def _spy_steps(monkeypatch) -> list[Step]:
     return steps
 
 
-def _generate(pair, cfg: SpecConfig, monkeypatch, seed: int = 3):
+def _generate(pair, cfg: SpecConfig, monkeypatch, seed: int = 3, speculator: Speculator | None = None):
     """N copies of the prompt through the engine in rng mode -> (decisions, steps). A decision is
-    (trajectory, token index, depth within its verify step, step) for every token a step emitted."""
+    (trajectory, token index, depth within its verify step, step) for every token a step emitted.
+    `speculator`: another drafter than the pair's EAGLE-3 draft (rollout.history)."""
     target, draft = pair
     steps = _spy_steps(monkeypatch)
-    engine = EmbeddedEngine(target, EngineConfig(max_batch=256, sampling_mode="rng"), speculator=Speculator(draft, cfg))
+    engine = EmbeddedEngine(target, EngineConfig(max_batch=256, sampling_mode="rng"),
+                            speculator=speculator or Speculator(draft, cfg))
     trajs = engine.generate([PROMPT] * N, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=seed))
     assert engine.draft_faults == [] and all(len(t.token_ids) == MAX_NEW for t in trajs)
     by_id = {t.request_id: t for t in trajs}

@@ -1,0 +1,189 @@
+"""The history drafter (rollout.history): drafts from the GRPO group's in-flight siblings and from
+earlier answers to the same prompt, alone and hybrid with the EAGLE-3 chain. Lossless: greedy
+and coupled sampling give plain decoding's tokens and log-probs exactly; rejection sampling
+keeps the target's law at every depth of a verify step (chi-square, with a power companion)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rollout.verify as verify
+from rollout.engine import EmbeddedEngine, EngineConfig
+from rollout.history import HistoryConfig, HistoryProposer, HistoryStore, HybridProposer
+from rollout.protocol import SamplingParams, Trajectory
+from rollout.speculative import Eagle3Proposer, SpecConfig, Speculator
+from test_speculative_law import ALPHA, CHAIN, N, law_check, pair, residual_check, _generate  # noqa: F401 (pair: a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _history_speculator(store: HistoryStore, gamma: int = 3) -> Speculator:
+    return Speculator(None, SpecConfig("chain", gamma), proposer=lambda n_slots, max_len: HistoryProposer(store))
+
+
+def _hybrid_speculator(draft, store: HistoryStore, gamma: int = 3) -> Speculator:
+    spec = Speculator(draft, SpecConfig("chain", gamma))
+    spec.proposer = lambda n_slots, max_len: HybridProposer(Eagle3Proposer(spec.draft, spec.config, n_slots, max_len),
+                                                            store)
+    return spec
+
+
+def _groups(prompts, n=4):
+    return [p for p in prompts[:4] for _ in range(n)]  # 4 prompts, each n times: GRPO groups
+
+
+def _generate_with(model, prompts, params, speculator=None, sampling_mode="coupled", batch=6, ids=None):
+    engine = EmbeddedEngine(model, EngineConfig(max_batch=batch, sampling_mode=sampling_mode), speculator=speculator)
+    return engine.generate(prompts, params, request_ids=ids), engine
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_history_drafts_decode_what_plain_decoding_does(tiny_model, prompts, temperature):
+    """Greedy and coupled sampling: the same tokens and log-probs as plain decoding, with drafts
+    from siblings accepted. Siblings decoding in lockstep have nothing ahead of each other; those
+    admitted later draft from the earlier ones, which greedy decoding repeats exactly: there the
+    drafts' own estimate of their acceptance comes true."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=16, seed=5)
+    group = _groups(prompts)
+    plain, _ = _generate_with(tiny_model, group, params)
+    store = HistoryStore()
+    out, engine = _generate_with(tiny_model, group, params, _history_speculator(store))
+    assert engine.draft_faults == []
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    for a, b in zip(out, plain):
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    s = store.stats["history"]
+    assert s["rows"] > 0 and s["accepted"] > 0
+    if temperature == 0.0:
+        assert s["expected"] > 20 and s["accepted"] >= 0.8 * s["expected"], s
+
+
+def test_finished_answers_of_earlier_steps_draft_the_next_epoch(tiny_model, prompts):
+    """With siblings switched off, a first call drafts from each answer's own past only (rarely
+    right); after its answers are added, the same prompts (the next epoch) are drafted from them:
+    greedy, so nearly every draft is accepted."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, seed=5)
+    store = HistoryStore(HistoryConfig(siblings=False))
+    first, _ = _generate_with(tiny_model, prompts, params, _history_speculator(store))
+    s = store.stats["history"]
+    assert s["accepted"] < 0.1 * s["drafted"], s
+    store.add_rollout(first)
+    second, _ = _generate_with(tiny_model, prompts, params, _history_speculator(store))
+    assert [t.token_ids for t in second] == [t.token_ids for t in first]
+    s = store.stats["history"]
+    assert s["accepted"] > 0.9 * s["drafted"], s
+
+
+def test_store_keeps_bounded_memory_and_proposes_the_majority():
+    store = HistoryStore(HistoryConfig(max_answers_per_prompt=3, max_prompts=2))
+    p = (1, 2)
+    answers = [[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 7, 9], [5, 6, 4, 4]]
+    store.add_rollout([Trajectory(list(p), a, torch.zeros(len(a)), "stop") for a in answers])
+    assert len(store.prompts[p].done) == 3  # the oldest answer left
+    assert all(aid != ("done", 0) for ids in store.prompts[p].pairs.values() for aid, _ in ids)
+
+    class St:
+        request_id, prompt, tokens = 99, list(p), [5, 6]
+
+    store.observe([St])
+    d = store.draft(p, 99, 2)
+    assert d.tokens == [7, 9]  # two of the three kept answers continue 7, 9; the third goes 4
+    assert d.expected == pytest.approx(2 / 3 + 2 / 3)
+    for k in ((3,), (4,)):
+        store.add_rollout([Trajectory(list(k), [1], torch.zeros(1), "stop")])
+    assert p not in store.prompts and len(store.prompts) == 2  # the least recently fed prompt left
+
+
+def test_history_config_refuses_nonsense():
+    for bad in (dict(max_match=1), dict(siblings=False, history=False), dict(max_candidates=0),
+                dict(skip_eagle_at=1.5)):
+        with pytest.raises(ValueError, match="HistoryConfig"):
+            HistoryConfig(**bad)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hybrid_decodes_what_plain_decoding_does(tiny_model, prompts, offline_draft, sft_policy, temperature):
+    """Hybrid of the EAGLE-3 chain and history drafts on the SFT policy: plain decoding's tokens and
+    log-probs; both sources draft rows, and (greedy) steps where every row takes the history draft
+    skip the EAGLE-3 forward (its pending features grow instead)."""
+    tokenizer, task, policy, _ = sft_policy
+    exs = task.examples("train", 4, 3)
+    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
+    params = SamplingParams(temperature=temperature, max_new_tokens=48, stop_token_ids=(tokenizer.eos_id,), seed=2)
+    plain, _ = _generate_with(policy, group, params, batch=8)
+    store = HistoryStore(HistoryConfig(skip_eagle_at=0.5))
+    skipped = []
+    orig = HybridProposer.propose
+
+    def spy(self, step):
+        out = orig(self, step)
+        skipped.append(not self._eagle_ran)
+        return out
+
+    HybridProposer.propose = spy
+    try:
+        out, engine = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), batch=8)
+    finally:
+        HybridProposer.propose = orig
+    assert engine.draft_faults == []
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    for a, b in zip(out, plain):
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert set(store.stats) == {"history", "eagle3"}, store.stats
+    assert not all(skipped)
+    if temperature == 0.0:  # greedy siblings agree: some steps need no EAGLE-3 draft at all
+        assert any(skipped)
+    m = store.metrics()
+    assert 0 < m["rollout/history_rows_share"] < 1 and m["rollout/eagle3_alpha"] > 0
+
+
+def test_hybrid_in_rng_mode_keeps_the_law_of_plain_sampling(tiny_model, prompts, offline_draft, sft_policy):
+    """Rejection sampling with rows of both sources in one chain: a point mass for history rows
+    beside EAGLE-3's q. top_k=1 puts all the target's mass on one token: the rollout is plain
+    decoding's whatever the draft (a law check with power is the next test)."""
+    tokenizer, task, policy, _ = sft_policy
+    exs = task.examples("train", 3, 4)
+    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
+    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=2)
+    plain, _ = _generate_with(policy, group, params, sampling_mode="rng", batch=8)
+    store = HistoryStore()
+    out, _ = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), sampling_mode="rng",
+                            batch=8)
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    assert store.stats["history"]["accepted"] > 0 and store.stats["eagle3"]["accepted"] > 0
+
+
+def _point_mass_accepted_always(monkeypatch):
+    """A broken rule: a point-mass draft accepted without testing p(x) (as if q were p)."""
+    orig = verify.SpecSampling.verify_chain
+
+    def broken(self, draft_tokens, draft_logp, target_logits):
+        if self.mode == "rejection" and draft_logp is None:
+            target_logp = self.process(target_logits)
+            return verify.acc.verify_chain_rejection(draft_tokens, target_logp[:, :-1], target_logp, self.generator)
+        return orig(self, draft_tokens, draft_logp, target_logits)
+
+    monkeypatch.setattr(verify.SpecSampling, "verify_chain", broken)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_history_drafts_keep_the_target_law_in_rng_mode(pair, monkeypatch, broken):
+    """rng mode, history drafts of 3000 siblings of one prompt (chain of 3): every token decided
+    after >= 1 accepted draft follows p(. | prefix), and the tokens drawn at the first rejection
+    after an accepted prefix follow p with the drafted token removed, renormalised. Power: a
+    point mass accepted without its test fails the same check."""
+    if broken:
+        _point_mass_accepted_always(monkeypatch)
+    store = HistoryStore()
+    decisions, steps = _generate(pair, CHAIN, monkeypatch, speculator=_history_speculator(store))
+    stat, df, pval, tested = law_check(pair[0], decisions, min_depth=0)
+    if broken:
+        assert pval < ALPHA, f"the broken rule passed: chi2={stat:.1f} df={df} p={pval:.2e}"
+        return
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+    stat1, df1, pval1, tested1 = law_check(pair[0], decisions, min_depth=1)
+    assert pval1 > ALPHA, f"depth >= 1: chi2={stat1:.1f} df={df1} p={pval1:.2e}"
+    assert tested1[1] >= 500 and tested1[2] >= 100, tested1
+    rstat, rdf, rp, n = residual_check(pair[0], decisions)
+    assert rp > ALPHA and n >= 300, f"residual: chi2={rstat:.1f} df={rdf} p={rp:.2e} over {n} tokens"
+    assert sum(s.n for s in steps) > N  # drafts were accepted: the check saw verify decisions past depth 0
