@@ -235,6 +235,11 @@ class HistoryStore:
                 matches = self._match(entry, ctx[-self.config.max_match:] + out, own)
         return HistoryDraft(out, expected)
 
+    def take_seconds(self) -> float:
+        """Host seconds spent storing and drafting since the last call."""
+        t, self.seconds = self.seconds, 0.0
+        return t
+
     def record(self, source: str, rows: int, drafted: int, accepted: int, expected: float = 0.0) -> None:
         s = self.stats.setdefault(source, {"rows": 0, "drafted": 0, "accepted": 0, "expected": 0.0})
         s["rows"] += rows
@@ -259,6 +264,25 @@ class HistoryStore:
             out[f"rollout/{source}_rows_share"] = s["rows"] / rows if rows else 0.0
             out[f"rollout/{source}_alpha"] = s["accepted"] / s["drafted"] if s["drafted"] else 0.0
         return out
+
+
+def install_history(engine, store: HistoryStore, drafter: str) -> None:
+    """Make `engine`'s speculator draft with `store`: drafter "history" alone, or "hybrid" with the
+    EAGLE-3 chain of the draft the engine holds. Engines without a proposer-driven speculator (vLLM,
+    SGLang) are refused in one line."""
+    spec = getattr(engine, "speculator", None)
+    if spec is None or not hasattr(spec, "proposer"):
+        raise ValueError(f"drafter={drafter!r} runs on the embedded engine; {type(engine).__name__} "
+                         f"drafts with its own EAGLE-3 proposer")
+    if drafter == "history":
+        spec.proposer = lambda n_slots, max_len: HistoryProposer(store)
+    elif drafter == "hybrid":
+        from rollout.speculative import Eagle3Proposer
+
+        spec.proposer = lambda n_slots, max_len: HybridProposer(
+            Eagle3Proposer(spec.draft, spec.config, n_slots, max_len), store)
+    else:
+        raise ValueError(f"unknown drafter {drafter!r}; choose history or hybrid")
 
 
 def _chain(drafts: list[HistoryDraft], depth: int, device) -> torch.Tensor:

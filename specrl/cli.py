@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--spec", default="off", choices=["off", "frozen", "online"],
                    help="speculative rollouts: off, with the offline draft frozen, or co-trained online")
+    p.add_argument("--drafter", default="eagle3", choices=["eagle3", "history", "hybrid"],
+                   help="who drafts: the EAGLE-3 head; history: the group's siblings and earlier answers to the same "
+                        "prompt (no model; with --spec frozen); hybrid: per row, whichever promises more")
     p.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
                    help="rollout engine: specrl's embedded PyTorch engine, or vLLM (installed separately)")
 
@@ -289,7 +292,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--arms", type=_arm_list, default="off,frozen,online",
                    help="comma-separated arms: off, frozen, online, online-unpriced (draft updates not priced by "
                         "the rollout time speculation saves), frozen-fixed and online-fixed (the preset's chain at "
-                        "every step, no adaptive controller), off-b (a second off run: the noise floor)")
+                        "every step, no adaptive controller), off-b (a second off run: the noise floor), history "
+                        "(drafts from the group's siblings and earlier answers, no model), history-sib / history-past "
+                        "(siblings only / earlier answers only), hybrid (history or the online EAGLE-3 chain per row)")
+    r.add_argument("--prompt-pool", type=_int_in(1), default=None,
+                   help="training prompts the steps sample from (default: the preset's); a small pool revisits "
+                        "prompts sooner, as epochs do")
     r.add_argument("--steps", type=_int_in(1, MAX_RL_STEPS), default=20, help="RL steps per arm")
     r.add_argument("--segment", type=_int_in(1), default=5, help="consecutive RL steps per arm before the next arm's turn")
     r.add_argument("--warmup", type=_int_in(0), default=1, help="first steps left out of the medians")
@@ -340,9 +348,15 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
                                         "dtypes": tuple(args.dtypes)}
     common = {"seed": args.seed, "cache_dir": args.cache_dir}
     if key == "train-rl":
+        if args.drafter != "eagle3" and args.spec == "off":
+            raise ValueError(f"--drafter {args.drafter} needs --spec frozen or online")
+        if args.drafter == "history" and args.spec == "online":
+            raise ValueError("--drafter history has no draft to train: use --spec frozen (or --drafter hybrid)")
+        if args.drafter != "eagle3" and args.engine != "embedded":
+            raise ValueError(f"--drafter {args.drafter} runs on the embedded engine (vLLM drafts with its own proposer)")
         return (args.task, args.preset, args.out), {**common, "resume": args.resume, "steps": args.steps,
                                                     "progress": not args.no_progress, "spec": args.spec,
-                                                    "engine": args.engine}
+                                                    "engine": args.engine, "drafter": args.drafter}
     if key == "train-draft":
         return (args.task, args.preset, args.out), {**common, "policy_path": args.policy}
     if key == "drift --async-staleness":
@@ -387,7 +401,8 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
         return pos, {**common, "n_prompts": args.prompts, "batch": args.batch}
     if key == "bench rl":
         return pos, {**common, "engine": args.engine, "arms": args.arms, "steps": args.steps,
-                     "segment": args.segment, "warmup": args.warmup, "vllm_schedule": args.vllm_schedule}
+                     "segment": args.segment, "warmup": args.warmup, "vllm_schedule": args.vllm_schedule,
+                     "prompt_pool": args.prompt_pool}
     raise ValueError(f"unknown command {key!r}")
 
 

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
+from rollout.history import HistoryConfig
 from rollout.speculative import SpecConfig
 from target_training.config import require_positive
 
@@ -21,6 +22,7 @@ Window = Literal["tail", "between", "interleaved", "wait"]
 SchedulerMode = Literal["sequential", "overlap"]
 OverlapUntil = Literal["step", "rollout"]
 BudgetRule = Literal["fixed", "acceptance"]
+Drafter = Literal["eagle3", "history", "hybrid"]
 
 WINDOWS: tuple[str, ...] = get_args(Window)
 
@@ -292,6 +294,14 @@ class CoTrainConfig:
     starting draft; "online": also train it."""
     spec: SpecConfig = field(default_factory=SpecConfig)
     """Speculation in the engine: chain or tree, and how many draft tokens."""
+    drafter: Drafter = "eagle3"
+    """Who drafts: the EAGLE-3 head; "history": drafts from the in-flight siblings of a prompt's
+    group and from earlier answers to it (rollout.history: no model, nothing to train; mode
+    "frozen"); "hybrid": per row and step, whichever of the two promises more accepted tokens
+    (the EAGLE-3 head trains online as usual). history and hybrid draft chains, on the embedded
+    engine."""
+    history: HistoryConfig = field(default_factory=HistoryConfig)
+    """The history drafter's settings (drafter "history" or "hybrid")."""
     adaptive: bool = False
     """Let a SpeculationController pick plain decoding or a gamma per batch size."""
     controller: ControllerConfig = field(default_factory=ControllerConfig)
@@ -317,6 +327,12 @@ class CoTrainConfig:
     def __post_init__(self) -> None:
         _check_choice(self, "mode", Mode)
         _check_choice(self, "feature_source", FeatureSource)
+        _check_choice(self, "drafter", Drafter)
+        if self.drafter != "eagle3" and self.spec.mode != "chain":
+            raise ValueError(f"CoTrainConfig.drafter={self.drafter!r} drafts chains; got spec.mode={self.spec.mode!r}")
+        if self.drafter == "history" and self.mode == "online":
+            raise ValueError("CoTrainConfig.drafter='history' has no draft to train: use mode='frozen', "
+                             "or drafter='hybrid' to train the EAGLE-3 head beside it")
         for name in ("buffer_bytes", "min_buffer_records"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CoTrainConfig.{name} must be positive, got {getattr(self, name)}")

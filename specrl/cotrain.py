@@ -55,8 +55,13 @@ class SpecCoTrainer:
         self._sync_s = 0.0
         self._capture_s0 = 0.0
         self._overlap = None  # the overlapped-burst runner (online mode, SchedulerConfig.mode "overlap")
+        self.history = None  # the history drafter's store (drafter "history" or "hybrid"): rollout.history
         if cfg.mode == "off":
             return
+        if cfg.drafter != "eagle3":
+            from rollout.history import HistoryStore
+
+            self.history = HistoryStore(cfg.history)
         # the engine speculates with its own copy; the trainer's copy is pushed when it improves
         self.controller = SpeculationController(cfg.controller) if cfg.adaptive else None
         self.draft = draft
@@ -91,6 +96,10 @@ class SpecCoTrainer:
                           f"used (on vLLM, speculate by batch size with VLLMEngineConfig.spec_schedule)", RuntimeWarning)
             self.controller = None
         engine.install_draft(self.draft, self.config.spec, controller=self.controller)
+        if self.history is not None:
+            from rollout.history import install_history
+
+            install_history(engine, self.history, self.config.drafter)
         if self.draft_trainer is None:
             return self
         source = self.config.feature_source
@@ -158,6 +167,10 @@ class SpecCoTrainer:
             "rollout/spec_faults_total": len(self.engine.draft_faults),
         }
         self._faults_seen = len(self.engine.draft_faults)
+        if self.history is not None:  # per-source acceptance of this rollout, then its answers join the history
+            self._rollout_metrics.update(self.history.metrics())
+            self.history.add_rollout(trajectories)
+            self._rollout_metrics["perf/history_s"] = self.history.take_seconds()
         signal = agg["accept_length"]
         if self.controller is not None and agg["verify_steps"] > 0:
             # the controller picks the chain length per step, and a shorter chain emits fewer
@@ -407,7 +420,9 @@ class SpecCoTrainer:
         if not self.enabled:
             return {"mode": "off"}
         self.wait_for_draft()  # a consistent draft trainer; the engine swap still waits for the boundary
-        engine_draft, engine_version = self.engine.draft_weights()
+        # drafter "history" holds no draft; its store of answers is not saved (a resumed run drafts
+        # from the answers it produces from then on: the same tokens, fewer accepted at first)
+        engine_draft, engine_version = self.engine.draft_weights() if self.draft is not None else (None, 0)
         return {"mode": self.config.mode, "policy_version": self.policy_version,
                 "engine_draft": engine_draft, "engine_draft_version": engine_version,
                 "draft_trainer": self.draft_trainer.state_dict() if self.draft_trainer is not None else None,
@@ -427,8 +442,10 @@ class SpecCoTrainer:
             self.draft_trainer.load_state_dict(state["draft_trainer"])  # refuses non-finite weights itself
             faults += self.draft_trainer.counters["rollbacks"] - state["draft_trainer"].get(
                 "counters", {}).get("rollbacks", 0)
-        problem = check_draft_weights(state["engine_draft"], self.draft.state_dict())
-        if problem is None:
+        problem = None if self.draft is None else check_draft_weights(state["engine_draft"], self.draft.state_dict())
+        if self.draft is None:
+            pass
+        elif problem is None:
             self.engine.push_draft(state["engine_draft"], state["engine_draft_version"])
             self._engine_version = state["engine_draft_version"]
         else:  # a NaN engine draft would turn speculation off for good: use the trainer's (or the starting) one

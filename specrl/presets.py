@@ -63,6 +63,8 @@ class RunPreset:
     eval_samples: int = 4  # sampled completions per held-out prompt
     checkpoint_every: int = 5
     max_batch: int = 64
+    prompt_pool: int = 0  # training prompts the steps sample from (0: max(512, 8 x prompts_per_step)); a small
+    #                       pool revisits prompts sooner, as epochs over a small dataset do
     task_kwargs: dict = field(default_factory=dict)
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     # speculation and online draft training for --spec frozen|online (mode and seed are set per run)
@@ -75,6 +77,9 @@ class RunPreset:
             raise PresetError(f"--steps must be at most {MAX_RL_STEPS}, got {self.rl_steps}")
         if self.group_size < 2:
             raise PresetError(f"GRPO needs group_size >= 2, got {self.group_size}")
+        if self.prompt_pool < 0 or 0 < self.prompt_pool < self.prompts_per_step:
+            raise PresetError(f"--prompt-pool must hold at least the {self.prompts_per_step} prompts of a step, "
+                              f"got {self.prompt_pool}")
 
     def with_overrides(self, **kw) -> "RunPreset":
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})

@@ -81,6 +81,26 @@ def step_examples(task, pool, preset: RunPreset, seed: int, step: int):
     return [ex for ex in chosen for _ in range(preset.group_size)]
 
 
+def spread_groups(n: int, group_size: int) -> list[int]:
+    """The order in which a step's n = prompts x group_size requests are handed to the engine:
+    member-major (the first member of every group, then the second, ...), so that each batch wave
+    holds a few members of every group and the members admitted later find their siblings' answers
+    ahead of them (rollout.history drafts from those). Results come back in the step's own order;
+    coupled sampling keys each token by request id, so the order changes no token."""
+    return [g * group_size + m for m in range(group_size) for g in range(n // group_size)]
+
+
+def generate_step(engine, prompts, params, ids, group_size: int, **kw):
+    """engine.generate over a step's grouped requests in `spread_groups` order; trajectories in
+    the step's own order (groups consecutive, as the GRPO update expects)."""
+    order = spread_groups(len(prompts), group_size)
+    out = engine.generate([prompts[i] for i in order], params, request_ids=[ids[i] for i in order], **kw)
+    trajs = [None] * len(prompts)
+    for i, t in zip(order, out):
+        trajs[i] = t
+    return trajs
+
+
 def score(task, tokenizer, examples, trajectories) -> list[float]:
     return [task.reward(ex, tokenizer.decode(t.token_ids)) for ex, t in zip(examples, trajectories)]
 

@@ -23,18 +23,20 @@ from specrl.presets import RunPreset, get_preset
 from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, restore_state,
                             run_identity, save_state, write_summary)
 from specrl.rl_setup import (ENGINES, build_engine, build_task_and_policy, check_seed, encode_prompts, evaluate,
-                          rollout_params, score, step_examples, sync_policy)
+                          generate_step, rollout_params, score, step_examples, sync_policy)
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir
 
 
 def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int = 0,
              resume: bool = False, steps: int | None = None, cache_dir: Path | None = None, progress: bool = True,
-             spec: str = "off", engine: str = "embedded", callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
+             spec: str = "off", engine: str = "embedded", drafter: str | None = None,
+             callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
     """One RL run into `out_dir` (or its continuation, with `resume`); returns the summary."""
     t_start = time.perf_counter()
     run, start_step, eval_start = start_run(task_name, preset_name, out_dir, seed=seed, resume=resume, steps=steps,
-                                            cache_dir=cache_dir, progress=progress, spec=spec, engine=engine, log=log)
+                                            cache_dir=cache_dir, progress=progress, spec=spec, engine=engine,
+                                            drafter=drafter, log=log)
     preset, task, tokenizer = run.preset, run.task, run.tokenizer
     policy, rollout, trainer, cotrain = run.policy, run.engine, run.trainer, run.cotrain
     for cb in callbacks:
@@ -79,8 +81,8 @@ def rl_step(run: RLRun, step: int) -> dict:
     cotrain.begin_step()
     examples = step_examples(run.task, run.pool, preset, run.seed, step)
     ids = [step * len(examples) + i for i in range(len(examples))]
-    trajs = rollout.generate(encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, run.seed),
-                             request_ids=ids, capture_features=cotrain.capture_engine_features)
+    trajs = generate_step(rollout, encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, run.seed),
+                          ids, preset.group_size, capture_features=cotrain.capture_engine_features)
     gen = dict(rollout.last_stats)
     cotrain.on_rollout(trajs)
     t1 = time.perf_counter()
@@ -148,7 +150,7 @@ class RLCallback:
 
 def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int, resume: bool,
               steps: int | None, cache_dir: Path | None, progress: bool, spec: str, engine: str,
-              log=print, evaluate_start: bool = True) -> tuple[RLRun, int, dict | None]:
+              drafter: str | None = None, log=print, evaluate_start: bool = True) -> tuple[RLRun, int, dict | None]:
     """Check the settings, open the run folder, build task, policy, engine, trainer and
     co-trainer, resume from the checkpoint where asked, and evaluate the starting policy
     (unless the checkpoint holds that evaluation, or `evaluate_start` is off: then None):
@@ -158,6 +160,8 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     else:
         preset = get_preset(preset_name)
     preset = preset.with_overrides(rl_steps=steps)
+    if spec != "off" and drafter not in (None, preset.cotrain.drafter):  # who drafts (rollout.history)
+        preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, mode=spec, drafter=drafter))
     check_seed(seed)
     out = Path(out_dir)
     if engine not in ENGINES:
@@ -176,7 +180,7 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     trainer = GRPOTrainer(policy, preset.grpo)
     cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log).attach(rollout, trainer)
     heldout = task.examples("heldout", preset.eval_prompts, seed)
-    pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
+    pool = task.examples("train", preset.prompt_pool or max(512, preset.prompts_per_step * 8), seed + 1)
     start_step, eval_start = 0, None
     if resume:
         start_step, eval_start = restore_state(out, policy, trainer, cotrain,
@@ -195,6 +199,8 @@ def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed:
     """The co-training plug-in for --spec off|frozen|online (off: a no-op object)."""
     if mode == "off":
         return SpecCoTrainer(None, CoTrainConfig(mode="off"))
+    if preset.cotrain.drafter == "history":  # no model drafts: no EAGLE-3 head to build
+        return SpecCoTrainer(None, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
     prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
     draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log)
     return SpecCoTrainer(draft, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))

@@ -83,3 +83,19 @@ def test_bad_arms_and_a_used_folder_are_refused(bench, capsys):
     assert main(["bench", "rl", "--preset", "ci", "--out", str(out.parent / "y"), "--arms", "frozen,online"]) == 2
     assert "including off" in capsys.readouterr().err
     assert not (out.parent / "x").exists() and not (out.parent / "y").exists()
+
+
+def test_history_arms_draft_from_the_group_and_change_no_update(sft_policy, tmp_path):
+    """The history and hybrid arms (rollout.history) beside off on a small prompt pool, so the
+    later steps revisit prompts: the same policy updates as off, and every speculative row drafted
+    by the arm's sources. (The ci policy samples near-random answers, so drafts from them are rarely
+    accepted; test_history checks that revisited prompts draft from earlier answers.)"""
+    s = bench_rl("arith", "ci", tmp_path / "rl", steps=4, segment=2, warmup=1, cache_dir=sft_policy[3],
+                 arms=("off", "history", "history-past", "hybrid"), prompt_pool=4, log=lambda *a: None)
+    e = s["engines"]["embedded"]
+    assert e["same_updates"] is True and s["prompt_pool"] == 4
+    rows = {a: _rows(tmp_path / "rl" / "embedded" / a / "metrics.jsonl") for a in ("history", "history-past", "hybrid")}
+    assert all(r["rollout/history_rows_share"] == 1.0 for a in ("history", "history-past") for r in rows[a]
+               if r["rollout/spec_verify_steps"])
+    assert any(r.get("rollout/eagle3_rows_share", 0) > 0 for r in rows["hybrid"])
+    assert e["arms"]["history"]["history_s"] is not None and e["arms"]["hybrid"]["cotrain_share"] > 0

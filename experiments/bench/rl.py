@@ -14,6 +14,11 @@ rotating from segment to segment, all in one process:
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
   off-b         a second `off` run: off / off-b is the noise floor of a step-time ratio
+  history       drafts from the group's in-flight siblings and earlier answers to the same prompt
+                (rollout.history: no model, nothing trained), the preset's chain and controller
+  hybrid        per row and step, the history draft or the online EAGLE-3 chain, whichever
+                promises more accepted tokens; the EAGLE-3 head co-trained as in `online`
+  history-sib, history-past: the history drafter from in-flight siblings only / earlier answers only
 
 On vLLM (`engine="vllm"`), which takes no per-step controller, the speculating arms run the
 preset's chain at every step; with `vllm_schedule` they speculate by batch size instead (vLLM's
@@ -53,7 +58,8 @@ from experiments.bench.common import machine_info, turn_order
 from specrl.presets import get_preset, priced
 from specrl.run_dir import RunDirError
 
-ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b")
+ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "history", "hybrid",
+        "history-sib", "history-past")
 DEFAULT_ARMS = ("off", "frozen", "online")
 DEFAULT_STEPS = 20  # RL steps per arm: four segments of 5, enough for a median of each
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
@@ -70,6 +76,15 @@ def arm_setup(arm: str, preset):
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
     mode = arm.split("-")[0]
+    if mode in ("history", "hybrid"):
+        history = preset.cotrain.history
+        if arm.endswith("-sib"):
+            history = dataclasses.replace(history, history=False)
+        elif arm.endswith("-past"):
+            history = dataclasses.replace(history, siblings=False)
+        mode, drafter = ("frozen", "history") if mode == "history" else ("online", "hybrid")
+        preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, mode=mode, drafter=drafter,
+                                                                         history=history))
     if arm.endswith("-fixed"):
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
     if arm.endswith("-unpriced"):
@@ -96,13 +111,13 @@ def vllm_schedule(task_name: str, preset_name: str, out: Path, seed: int, cache_
 
 def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedded", arms=DEFAULT_ARMS,
              steps: int | None = None, segment: int = 5, warmup: int = 1, seed: int = 0, cache_dir=None,
-             vllm_schedule: bool = False, log=print) -> dict:
+             vllm_schedule: bool = False, prompt_pool: int | None = None, log=print) -> dict:
     from specrl.train_rl import rl_step, start_run
 
     arms = tuple(arms)
     if "off" not in arms or len(set(arms)) != len(arms):
         raise ValueError(f"--arms must name distinct arms including off, got {','.join(arms)}")
-    base = get_preset(preset_name)
+    base = get_preset(preset_name).with_overrides(prompt_pool=prompt_pool)
     for a in arms:
         arm_setup(a, base)
     n_steps = steps or DEFAULT_STEPS
@@ -144,6 +159,7 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
             run.engine.shutdown()
     summary = summarize(rows, segments, warmup)
     summary = {"model": base.model, "preset": preset_name, "task": task_name, "seed": seed, "steps": n_steps,
+               "prompt_pool": base.prompt_pool,
                "segment": segment, "warmup_steps": warmup, "arms_order": list(arms),
                "engines": {engine: summary}, "machine": machine_info()}
     if calibration is not None:
@@ -192,6 +208,9 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int) -> dict:
         m["spec_step_fraction"] = (sum(r.get("rollout/spec_steps") or 0 for r in rs) / steps) if steps else None
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
+        for key in ("perf/history_s", "rollout/history_rows_share", "rollout/history_alpha", "rollout/eagle3_alpha"):
+            if any(key in r for r in rs):
+                m[key.split("/")[1]] = _median(r.get(key) for r in rs)
         out["arms"][a] = m
     # identical RL work: per step, the same losses, rewards and KL in every arm (before rounding)
     by_step = {}
