@@ -27,11 +27,13 @@ Memory is bounded: `max_answers_per_prompt` finished answers per prompt (the old
 versions leave first) and `max_prompts` prompts (the least recently fed leave first).
 
 `HybridProposer` speculates, per row and step, with whichever of the history draft and the
-EAGLE-3 chain promises more accepted tokens, and skips the EAGLE-3 draft forward entirely when
-every row's history draft is strong enough.
+EAGLE-3 chain promises more accepted tokens; the EAGLE-3 head drafts only the rows it wins, and
+not at all in a step where the history draft wins every row.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -62,10 +64,7 @@ class HistoryConfig:
     """Prompts kept; the least recently fed leave first."""
     hybrid_margin: float = 0.0
     """Hybrid: a row takes the history draft when its expected accepted tokens exceed the EAGLE-3
-    chain's estimate by more than this margin."""
-    skip_eagle_at: float = 0.75
-    """Hybrid: skip the EAGLE-3 draft forward in a step where every row's history draft expects
-    at least this fraction of the chain to be accepted."""
+    chain's estimate by more than this margin; the EAGLE-3 head drafts only the other rows."""
 
     def __post_init__(self) -> None:
         for name in ("max_match", "max_candidates", "max_answers_per_prompt", "max_prompts"):
@@ -76,8 +75,9 @@ class HistoryConfig:
             raise ValueError(f"HistoryConfig.max_match must be >= 2, got {self.max_match}")
         if not (self.siblings or self.history):
             raise ValueError("HistoryConfig needs siblings or history (or both) switched on")
-        if not 0.0 <= self.skip_eagle_at <= 1.0:
-            raise ValueError(f"HistoryConfig.skip_eagle_at must lie in [0, 1], got {self.skip_eagle_at}")
+        if isinstance(self.hybrid_margin, bool) or not isinstance(self.hybrid_margin, (int, float)) \
+                or not math.isfinite(self.hybrid_margin):
+            raise ValueError(f"HistoryConfig.hybrid_margin must be a finite number, got {self.hybrid_margin!r}")
 
 
 @dataclass
@@ -328,9 +328,9 @@ class HybridProposer:
     """Per row and step, the history draft or the EAGLE-3 chain, whichever promises more accepted
     tokens (rollout.proposer.Proposer). The EAGLE-3 estimate is E = sum_i alpha^i over the chain,
     alpha the EAGLE-3 rows' acceptance so far in this call (its prior: `eagle_alpha`); the history
-    estimate is the draft's `expected` times the store's calibration. When every row's history
-    draft expects at least `skip_eagle_at` of the chain, the EAGLE-3 draft forward is skipped;
-    its pending features then grow by the accepted run, as after a plain step."""
+    estimate is the draft's `expected` times the store's calibration. The EAGLE-3 head is fed and
+    drafts only the rows it wins, and not at all in a step where history wins every row; the rows
+    it skipped keep their pending features, which it feeds the next time it drafts them."""
 
     uses_features = True
 
@@ -338,8 +338,9 @@ class HybridProposer:
         self.eagle, self.store = eagle, store
         self.eagle_alpha = eagle_alpha
         store.begin_call()
-        self._eagle_ran = False
+        self._fed: list[bool] = []  # rows the EAGLE-3 head was fed (and drafted) this step
         self._source: list[str] = []
+        self._expected: list[float] = []
         self._depth = 0
 
     def prefilled(self, slots, feats, lens) -> None:
@@ -362,36 +363,48 @@ class HybridProposer:
         a, kappa = self._alpha(), store.calibration()
         eagle_expected = sum(a ** (i + 1) for i in range(g))
         use_history = [kappa * d.expected > eagle_expected + cfg.hybrid_margin for d in drafts]
-        self._depth = g
-        self._expected = [d.expected for d in drafts]
-        store.seconds += time.perf_counter() - t0
-        if all(use_history) and all(kappa * d.expected >= cfg.skip_eagle_at * g for d in drafts):
-            self._eagle_ran = False
-            self._source = ["history"] * len(drafts)
-            return ChainProposal(_chain(drafts, g, step.slots.device), None)
-        proposal = self.eagle.propose(step)
-        self._eagle_ran = True
+        self._depth, self._expected = g, [d.expected for d in drafts]
+        self._fed = [not h for h in use_history]
         self._source = ["history" if h else "eagle3" for h in use_history]
-        if any(use_history):
-            rows = [r for r, h in enumerate(use_history) if h]
-            hist = _chain([drafts[r] for r in rows], g, step.slots.device)
-            idx = torch.tensor(rows, device=step.slots.device)
-            proposal.tokens = proposal.tokens.clone()
-            proposal.tokens[idx] = hist
-            if proposal.draft_logp is not None:  # rejection sampling: those rows' q is the point mass
-                point = torch.full_like(proposal.draft_logp[idx], float("-inf"))
-                proposal.draft_logp = proposal.draft_logp.clone()
-                proposal.draft_logp[idx] = point.scatter_(2, hist[..., None], 0.0)
-        return proposal
+        B, dev = len(drafts), step.slots.device
+        tokens = _chain(drafts, g, dev)  # (B, g): the EAGLE-3 rows are overwritten below
+        store.seconds += time.perf_counter() - t0
+        eagle_rows = [r for r, h in enumerate(use_history) if not h]
+        if not eagle_rows:
+            return ChainProposal(tokens, None)
+        if len(eagle_rows) == B:
+            return self.eagle.propose(step)
+        idx = torch.tensor(eagle_rows, device=dev)
+        proposal = self.eagle.propose(_step_rows(step, eagle_rows, idx))
+        tokens[idx] = proposal.tokens
+        draft_logp = None
+        if proposal.draft_logp is not None:  # rejection sampling: the history rows' q is the point mass
+            draft_logp = torch.full((B, g, proposal.draft_logp.shape[-1]), float("-inf"), device=dev)
+            draft_logp.scatter_(2, tokens[..., None], 0.0)
+            draft_logp[idx] = proposal.draft_logp
+        return ChainProposal(tokens, draft_logp, proposal.health)
 
     def accepted(self, active, verdict, counts) -> None:
-        if self._eagle_ran:
+        if all(self._fed):
             self.eagle.accepted(active, verdict, counts)
-        else:  # the draft saw nothing this step: its pending runs grow, as after a plain step
+        else:  # rows the head was not fed this step: their pending runs grow, as after a plain step
+            self.eagle.forget_commit()
             for r, (slot, k) in enumerate(zip(active, counts)):
-                self.eagle.pending[slot].append(verdict.features[r, :k])
+                run = verdict.features[r, :k]
+                if self._fed[r]:
+                    self.eagle.pending[slot] = [run]
+                else:
+                    self.eagle.pending[slot].append(run)
         for source in ("history", "eagle3"):
             rows = [(k, e) for s, k, e in zip(self._source, counts, self._expected) if s == source]
             if rows:
                 self.store.record(source, len(rows), self._depth * len(rows), sum(k - 1 for k, _ in rows),
                                   sum(e for _, e in rows) if source == "history" else 0.0)
+
+
+def _step_rows(step: SpecStep, rows: list[int], idx: torch.Tensor) -> SpecStep:
+    """The speculative step restricted to `rows` (idx: the same on the device)."""
+    states = [step.states[r] for r in rows]
+    return dataclasses.replace(step, active=[step.active[r] for r in rows], slots=step.slots[idx],
+                               lengths=step.lengths[idx], roots=step.roots[idx], states=states,
+                               key_len=max(st.n_cached for st in states), sampling=step.sampling.rows(idx))

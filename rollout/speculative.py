@@ -226,6 +226,10 @@ class Eagle3Proposer:
             self.pending[slot] = [verdict.features[r, :k]]
             self._last_commit.runs.append(self.pending[slot][0])
 
+    def forget_commit(self) -> None:
+        """The pending runs were changed outside `accepted`: the next feed builds its block afresh."""
+        self._last_commit = _Commit([], None, None)
+
     def _feed_pending(self, slots: torch.Tensor, active: list[int], states):
         """Feed pairs (f_t, x_{t+1}) for t = D .. L-1 of every slot; return the last output.
 

@@ -15,6 +15,7 @@ forward; the verifier never sees the engine.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -126,6 +127,14 @@ class SpecSampling:
             self.mode = "coupled" if sampling_mode == "coupled" else "rejection"
         if self.mode == "coupled":  # the noise of tokens x_{L+1} .. x_{L+1+depth}: (B, depth + 1, V)
             self.noise = coupled_noise(params.seed, request_ids, first_steps, depth + 1, vocab_size)
+
+    def rows(self, idx: torch.Tensor) -> "SpecSampling":
+        """The same rule for a subset of the step's rows (idx (b,) on the device): a proposer that
+        drafts only some rows draws them with those rows' own noise."""
+        sub = copy.copy(self)
+        if self.mode == "coupled":
+            sub.noise = self.noise[idx]
+        return sub
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
         """Log-probs to draw from. Greedy keeps the full draft distribution (not one-hot) so trees
