@@ -63,8 +63,8 @@ class HistoryConfig:
     max_prompts: int = 4096
     """Prompts kept; the least recently fed leave first."""
     hybrid_margin: float = 0.0
-    """Hybrid: a row takes the history draft when its expected accepted tokens exceed the EAGLE-3
-    chain's estimate by more than this margin; the EAGLE-3 head drafts only the other rows."""
+    """Hybrid: tokens by which the EAGLE-3 chain's net estimate (accepted tokens less its measured
+    cost) must beat the history draft's for a row to take it (HybridProposer)."""
 
     def __post_init__(self) -> None:
         for name in ("max_match", "max_candidates", "max_answers_per_prompt", "max_prompts"):
@@ -279,8 +279,11 @@ def install_history(engine, store: HistoryStore, drafter: str) -> None:
     elif drafter == "hybrid":
         from rollout.speculative import Eagle3Proposer
 
+        def plain_seconds(n_active: int):  # the controller's measured plain step, when one drives the engine
+            return spec.controller.plain_seconds(n_active) if spec.controller is not None else None
+
         spec.proposer = lambda n_slots, max_len: HybridProposer(
-            Eagle3Proposer(spec.draft, spec.config, n_slots, max_len), store)
+            Eagle3Proposer(spec.draft, spec.config, n_slots, max_len), store, plain_seconds=plain_seconds)
     else:
         raise ValueError(f"unknown drafter {drafter!r}; choose history or hybrid")
 
@@ -326,17 +329,27 @@ class HistoryProposer:
 
 class HybridProposer:
     """Per row and step, the history draft or the EAGLE-3 chain, whichever promises more accepted
-    tokens (rollout.proposer.Proposer). The EAGLE-3 estimate is E = sum_i alpha^i over the chain,
-    alpha the EAGLE-3 rows' acceptance so far in this call (its prior: `eagle_alpha`); the history
-    estimate is the draft's `expected` times the store's calibration. The EAGLE-3 head is fed and
-    drafts only the rows it wins, and not at all in a step where history wins every row; the rows
-    it skipped keep their pending features, which it feeds the next time it drafts them."""
+    tokens for its cost (rollout.proposer.Proposer).
+
+    Estimates, in accepted tokens: EAGLE-3's is E = sum_i alpha^i over the chain, alpha its rows'
+    acceptance so far in this call (prior: `eagle_alpha`); history's is the draft's `expected`
+    times the store's calibration. A history draft costs nothing on the device; an EAGLE-3 draft
+    costs its measured seconds per drafted row, counted in tokens at the measured seconds per
+    token of a plain step of this batch size (`plain_seconds`, the controller's; without it the
+    cost is taken as 0). A row takes the EAGLE-3 chain when E minus that cost beats history's
+    estimate by more than `HistoryConfig.hybrid_margin`.
+
+    The EAGLE-3 head is fed and drafts only the rows it wins, and not at all in a step where history
+    wins every row; the rows it skipped keep their pending features, which it feeds the next time
+    it drafts them."""
 
     uses_features = True
 
-    def __init__(self, eagle, store: HistoryStore, eagle_alpha: float = 0.6):
+    def __init__(self, eagle, store: HistoryStore, eagle_alpha: float = 0.6, plain_seconds=None):
         self.eagle, self.store = eagle, store
         self.eagle_alpha = eagle_alpha
+        self.plain_seconds = plain_seconds  # n_active -> seconds of a plain step, or None
+        self._eagle_row_s: float | None = None  # EMA of the EAGLE-3 draft's seconds per drafted row
         store.begin_call()
         self._fed: list[bool] = []  # rows the EAGLE-3 head was fed (and drafted) this step
         self._source: list[str] = []
@@ -355,14 +368,27 @@ class HybridProposer:
             return self.eagle_alpha
         return s["accepted"] / s["drafted"]
 
+    def _eagle_cost(self, n_active: int) -> float:
+        """The EAGLE-3 draft's cost per row, in tokens of a plain step at this batch size (0 while
+        either time is unmeasured). On an accelerator the draft's time is read when the step's
+        results come back, so it includes the draft's queued device work."""
+        plain = self.plain_seconds(n_active) if self.plain_seconds is not None else None
+        if not plain or self._eagle_row_s is None:
+            return 0.0
+        return self._eagle_row_s / (plain / n_active)
+
+    def _time_eagle(self, seconds: float, rows: int) -> None:
+        per_row = seconds / rows
+        self._eagle_row_s = per_row if self._eagle_row_s is None else 0.8 * self._eagle_row_s + 0.2 * per_row
+
     def propose(self, step: SpecStep) -> ChainProposal:
         t0 = time.perf_counter()
         store, cfg, g = self.store, self.store.config, step.depth
         store.observe(step.states)
         drafts = [store.draft(store._live[st.request_id][0], st.request_id, g) for st in step.states]
         a, kappa = self._alpha(), store.calibration()
-        eagle_expected = sum(a ** (i + 1) for i in range(g))
-        use_history = [kappa * d.expected > eagle_expected + cfg.hybrid_margin for d in drafts]
+        eagle_net = sum(a ** (i + 1) for i in range(g)) - self._eagle_cost(len(drafts))
+        use_history = [kappa * d.expected >= eagle_net - cfg.hybrid_margin for d in drafts]
         self._depth, self._expected = g, [d.expected for d in drafts]
         self._fed = [not h for h in use_history]
         self._source = ["history" if h else "eagle3" for h in use_history]
@@ -372,10 +398,14 @@ class HybridProposer:
         eagle_rows = [r for r, h in enumerate(use_history) if not h]
         if not eagle_rows:
             return ChainProposal(tokens, None)
+        t0 = time.perf_counter()
         if len(eagle_rows) == B:
-            return self.eagle.propose(step)
+            proposal = self.eagle.propose(step)
+            self._time_eagle(time.perf_counter() - t0, B)
+            return proposal
         idx = torch.tensor(eagle_rows, device=dev)
         proposal = self.eagle.propose(_step_rows(step, eagle_rows, idx))
+        self._time_eagle(time.perf_counter() - t0, len(eagle_rows))
         tokens[idx] = proposal.tokens
         draft_logp = None
         if proposal.draft_logp is not None:  # rejection sampling: the history rows' q is the point mass
