@@ -266,14 +266,21 @@ class HistoryStore:
         return out
 
 
-def install_history(engine, store: HistoryStore, drafter: str) -> None:
-    """Make `engine`'s speculator draft with `store`: drafter "history" alone, or "hybrid" with the
-    EAGLE-3 chain of the draft the engine holds. Engines without a proposer-driven speculator (vLLM,
-    SGLang) are refused in one line."""
+def install_history(engine, store: HistoryStore, drafter: str, spec=None) -> None:
+    """Make `engine` draft with `store`: drafter "history" alone, or "hybrid" with the EAGLE-3 chain
+    of the draft the engine holds. vLLM runs the history drafter in its worker (its own store,
+    fed by the engine: rollout.vllm_history); the hybrid, and engines without a proposer, are
+    refused in one line."""
+    if hasattr(engine, "install_history"):  # vLLM: a custom proposer in its worker (rollout.vllm_history)
+        if drafter != "history":
+            raise ValueError(f"drafter={drafter!r} runs on the embedded engine: vLLM takes one speculative method, "
+                             f"and its custom proposers see token ids only, not the hidden states EAGLE-3 reads")
+        engine.install_history(store.config, spec)
+        return
     spec = getattr(engine, "speculator", None)
     if spec is None or not hasattr(spec, "proposer"):
-        raise ValueError(f"drafter={drafter!r} runs on the embedded engine; {type(engine).__name__} "
-                         f"drafts with its own EAGLE-3 proposer")
+        raise ValueError(f"drafter={drafter!r} needs an engine that takes a proposer; {type(engine).__name__} "
+                         f"drafts with its own")
     if drafter == "history":
         spec.proposer = lambda n_slots, max_len: HistoryProposer(store)
     elif drafter == "hybrid":

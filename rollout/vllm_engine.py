@@ -409,6 +409,7 @@ class VLLMEngine:
         self.last_sync: dict = {}
         self.draft = None  # the engine's copy of the draft it speculates with
         self.spec = None
+        self.history = None  # HistoryConfig when the history drafter speculates (rollout.vllm_history)
         self._warned_sampling = False
         self.sampler_mend: dict = {}  # what _mend_cpu_expand_in_worker found and did at the last start
         self.version = 0
@@ -434,7 +435,13 @@ class VLLMEngine:
         self._owner_pid = os.getpid()
         _install_signal_handlers()
         kw = {}
-        if self.draft is not None:
+        if self.history is not None:  # drafts from the group and earlier answers: a custom proposer in the worker
+            from rollout.vllm_history import CLASS_PATH, METHOD
+
+            kw = dict(speculative_config={"method": METHOD, "model": CLASS_PATH,
+                                          "num_speculative_tokens": self.spec.gamma},
+                      per_request_spec_decode_metrics="detailed")
+        elif self.draft is not None:
             folder = save_draft(self.draft, self.work_dir / "draft")
             spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": self.spec.gamma}
             if self.config.spec_schedule is not None:
@@ -447,7 +454,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
             kv_cache_memory_bytes=self.config.kv_cache_bytes, **kw)
         self.driver_watch = self._llm.collective_rpc(_watch_driver_in_worker, args=(os.getpid(),))[0]
-        if self.draft is not None:
+        if self.spec is not None:
             self.sampler_mend = self._llm.collective_rpc(_mend_cpu_expand_in_worker)[0]
 
     def set_spec_schedule(self, schedule) -> None:
@@ -498,10 +505,18 @@ class VLLMEngine:
                 temperature=params.temperature, max_tokens=min(params.max_new_tokens, room),
                 stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
                 seed=(params.seed * 1_000_003 + rid) % (1 << 63), detokenize=False))
+        if self.history is not None:
+            from rollout.vllm_history import history_begin_in_worker
+
+            self.llm.collective_rpc(history_begin_in_worker, args=(prompts, dataclasses.asdict(self.history)))
         t0 = time.perf_counter()
         outs = self.llm.generate(inputs, sps, use_tqdm=False)
         wall = time.perf_counter() - t0
         trajs = [self._to_trajectory(o, p, rid) for o, p, rid in zip(outs, prompts, request_ids)]
+        if self.history is not None:  # the finished answers draft the next calls' requests to the same prompts
+            from rollout.vllm_history import history_add_in_worker
+
+            self.llm.collective_rpc(history_add_in_worker, args=([(t.prompt_ids, t.token_ids) for t in trajs],))
         n = sum(len(t.token_ids) for t in trajs)
         self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
         return trajs
@@ -511,7 +526,7 @@ class VLLMEngine:
         tokens = [int(t) for t in c.token_ids]
         lps = [float(entry[t].logprob) for t, entry in zip(tokens, c.logprobs)]
         spec = None
-        if self.draft is not None:
+        if self.spec is not None:
             spec = SpecStats()
             m = c.spec_decode_metrics
             if m is not None:
@@ -571,8 +586,20 @@ class VLLMEngine:
         if controller is not None:
             raise VLLMEngineError("adaptive speculation (a SpeculationController) is not supported on vLLM")
         check_servable(self.cfg, draft)
-        self.draft, self.spec, self.version = copy.deepcopy(draft).eval(), spec, 0
+        self.draft, self.spec, self.history, self.version = copy.deepcopy(draft).eval(), spec, None, 0
         self.shutdown()  # the next call starts vLLM with speculation
+
+    def install_history(self, config, spec=None) -> None:
+        """(Re)start vLLM, at its next use, speculating with the history drafter (rollout.vllm_history:
+        drafts from the in-flight siblings of a prompt and earlier answers to it, chains of
+        spec.gamma) instead of a draft model."""
+        from rollout.speculative import SpecConfig
+
+        spec = spec or SpecConfig()
+        if spec.mode != "chain":
+            raise VLLMEngineError(f"the vLLM engine speculates in chains; got SpecConfig.mode={spec.mode!r}")
+        self.draft, self.spec, self.history, self.version = None, spec, config, 0
+        self.shutdown()
 
     def push_draft(self, weights: dict, version: int) -> None:
         """Draft hot swap into the live engine: the worker's drafter reloads in place, and what

@@ -95,11 +95,12 @@ class SpecCoTrainer:
             warnings.warn(f"{type(engine).__name__} takes no per-step controller: CoTrainConfig.adaptive is not "
                           f"used (on vLLM, speculate by batch size with VLLMEngineConfig.spec_schedule)", RuntimeWarning)
             self.controller = None
-        engine.install_draft(self.draft, self.config.spec, controller=self.controller)
-        if self.history is not None:
+        if self.history is None or not hasattr(engine, "install_history"):
+            engine.install_draft(self.draft, self.config.spec, controller=self.controller)
+        if self.history is not None:  # who drafts: rollout.history (vLLM: in its worker, rollout.vllm_history)
             from rollout.history import install_history
 
-            install_history(engine, self.history, self.config.drafter)
+            install_history(engine, self.history, self.config.drafter, self.config.spec)
         if self.draft_trainer is None:
             return self
         source = self.config.feature_source

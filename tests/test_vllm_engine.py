@@ -622,3 +622,66 @@ def test_the_stop_hooks_chain_and_keep_engines_collectable(setup, tmp_path, monk
     del engine
     gc.collect()
     assert ref() is None
+
+
+def test_history_drafter_runs_in_vllm_losslessly(setup, plain):
+    """The history drafter as vLLM's custom proposer (rollout.vllm_history), installed through the
+    co-training plug-in: greedy and sampled rollouts of GRPO-style groups (each prompt 4 times,
+    more requests than slots, so later members draft from earlier ones) give plain vLLM's tokens;
+    drafts are accepted, and more of them once the previous call's answers join the history."""
+    from rollout.history import HistoryConfig
+    from specrl.config import CoTrainConfig
+    from specrl.cotrain import SpecCoTrainer
+
+    prompts = [p for p in _prompts(setup, 6, seed=21) for _ in range(4)]
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=8))
+    try:
+        SpecCoTrainer(None, CoTrainConfig(mode="frozen", drafter="history", history=HistoryConfig(),
+                                          spec=SpecConfig(gamma=GAMMA))).attach(engine)
+        assert engine.history is not None and engine.draft is None
+        greedy = _greedy(setup)
+        ref = plain.generate(prompts, greedy, request_ids=range(len(prompts)))
+        first = engine.generate(prompts, greedy, request_ids=range(len(prompts)))
+        second = engine.generate(prompts, greedy, request_ids=range(len(prompts)))
+        for got in (first, second):
+            assert [t.token_ids for t in got] == [t.token_ids for t in ref]
+            assert max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(got, ref)) < 1e-4
+        s1, s2 = (summarize_spec_stats(t.spec for t in got) for got in (first, second))
+        print(f"history drafter on vLLM, greedy: accept length {s1['accept_length']:.2f} (siblings), "
+              f"{s2['accept_length']:.2f} (siblings and the previous call)")
+        assert s1["accept_length"] > 1.3 and s2["accept_length"] > s1["accept_length"]
+        sampled = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(setup[0].eos_id,), seed=3)
+        ref = plain.generate(prompts, sampled, request_ids=range(len(prompts)))
+        got = engine.generate(prompts, sampled, request_ids=range(len(prompts)))
+        same = sum(a.token_ids == b.token_ids for a, b in zip(got, ref))
+        print(f"history drafter on vLLM, sampled: {same}/{len(ref)} sequences equal plain vLLM's")
+        assert summarize_spec_stats(t.spec for t in got)["accept_length"] > 1.0
+    finally:
+        engine.shutdown()
+
+
+def test_history_drafts_follow_the_exact_law_in_vllm(setup):
+    """vLLM's sampler with point-mass drafts from the history drafter: the third generated token
+    of N requests for one prompt (siblings, which draft each other) fits the exact marginal
+    (chi-square, alpha = 1e-3; the power of this test against a 15% mixture is simulated in
+    test_power_of_the_law_test), with at least 20% of the requests decided past the first
+    verify decision."""
+    from helpers import chi2_pvalue
+    from rollout.history import HistoryConfig
+
+    policy, prompt, T, N = setup[2], _prompts(setup, 1, seed=99)[0], 1.0, N_THIRD
+    law = _exact_third_token_law(policy, prompt, T)
+    engine = VLLMEngine(policy, VLLMEngineConfig(max_batch=16))
+    try:
+        engine.install_history(HistoryConfig(), SpecConfig(gamma=2))
+        trajs = _run(engine, [prompt] * N, SamplingParams(temperature=T, max_new_tokens=3, seed=6), 16 * 8)
+    finally:
+        engine.shutdown()
+    counts = torch.bincount(torch.tensor([t.token_ids[2] for t in trajs]), minlength=law.numel())
+    stat, df, p = chi2_pvalue(counts, law)
+    steps = Counter(t.spec.verify_steps for t in trajs)
+    past_first = steps[1] / N
+    print(f"history drafts on vLLM, third token: chi2 {stat:.1f} df {df} p {p:.3f}; verify steps per request "
+          f"{dict(steps)}; decided past the first decision: {past_first:.3f}")
+    assert past_first > 0.2
+    assert p > 1e-3
