@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.proposer import ChainProposal, SpecStep
+from rollout.proposer import ChainProposal, SpecStep, TreeProposal
 
 START = -1  # stands before an answer's first token, so answers align at their start
 
@@ -62,9 +62,13 @@ class HistoryConfig:
     """Finished answers kept per prompt; the oldest policy versions leave first."""
     max_prompts: int = 4096
     """Prompts kept; the least recently fed leave first."""
+    hybrid: str = "tree"
+    """Hybrid: "tree" verifies the history chain and the EAGLE-3 chain of every row as two branches
+    of one tree (the longer accepted run wins; greedy and coupled sampling; rejection sampling
+    uses "rows"); "rows" picks one chain per row by expected accepted tokens for the cost."""
     hybrid_margin: float = 0.0
-    """Hybrid: tokens by which the EAGLE-3 chain's net estimate (accepted tokens less its measured
-    cost) must beat the history draft's for a row to take it (HybridProposer)."""
+    """Hybrid: tokens per row by which the EAGLE-3 chain's estimate must beat the history draft's,
+    on top of its measured cost, for the row to take it (HybridProposer)."""
 
     def __post_init__(self) -> None:
         for name in ("max_match", "max_candidates", "max_answers_per_prompt", "max_prompts"):
@@ -73,6 +77,8 @@ class HistoryConfig:
                 raise ValueError(f"HistoryConfig.{name} must be a positive integer, got {v!r}")
         if self.max_match < 2:
             raise ValueError(f"HistoryConfig.max_match must be >= 2, got {self.max_match}")
+        if self.hybrid not in ("tree", "rows"):
+            raise ValueError(f"HistoryConfig.hybrid must be 'tree' or 'rows', got {self.hybrid!r}")
         if not (self.siblings or self.history):
             raise ValueError("HistoryConfig needs siblings or history (or both) switched on")
         if isinstance(self.hybrid_margin, bool) or not isinstance(self.hybrid_margin, (int, float)) \
@@ -289,6 +295,7 @@ def install_history(engine, store: HistoryStore, drafter: str, spec=None) -> Non
         def plain_seconds(n_active: int):  # the controller's measured plain step, when one drives the engine
             return spec.controller.plain_seconds(n_active) if spec.controller is not None else None
 
+        spec.branches = 2 if store.config.hybrid == "tree" else 1  # the verify block holds both chains
         spec.proposer = lambda n_slots, max_len: HybridProposer(
             Eagle3Proposer(spec.draft, spec.config, n_slots, max_len), store, plain_seconds=plain_seconds)
     else:
@@ -338,13 +345,14 @@ class HybridProposer:
     """Per row and step, the history draft or the EAGLE-3 chain, whichever promises more accepted
     tokens for its cost (rollout.proposer.Proposer).
 
-    Estimates, in accepted tokens: EAGLE-3's is E = sum_i alpha^i over the chain, alpha its rows'
-    acceptance so far in this call (prior: `eagle_alpha`); history's is the draft's `expected`
-    times the store's calibration. A history draft costs nothing on the device; an EAGLE-3 draft
-    costs its measured seconds per drafted row, counted in tokens at the measured seconds per
-    token of a plain step of this batch size (`plain_seconds`, the controller's; without it the
-    cost is taken as 0). A row takes the EAGLE-3 chain when E minus that cost beats history's
-    estimate by more than `HistoryConfig.hybrid_margin`.
+    Estimates, in accepted tokens per row: EAGLE-3's is what its rows accepted so far in this call
+    (scaled to this step's chain; before 32 rows, sum_i alpha^i at the prior `eagle_alpha`);
+    history's is the draft's `expected` times the store's calibration. A history draft costs
+    nothing on the device; an EAGLE-3 draft over k rows costs the seconds a line fitted to its
+    measured drafts in this call predicts, counted in tokens at the measured seconds per token of
+    a plain step of this batch size (`plain_seconds`, the controller's; without it the cost is
+    taken as 0). The head takes the k rows where it beats history by most (less
+    `HistoryConfig.hybrid_margin` each), k maximising the summed gain less that cost.
 
     The EAGLE-3 head is fed and drafts only the rows it wins, and not at all in a step where history
     wins every row; the rows it skipped keep their pending features, which it feeds the next time
@@ -356,7 +364,7 @@ class HybridProposer:
         self.eagle, self.store = eagle, store
         self.eagle_alpha = eagle_alpha
         self.plain_seconds = plain_seconds  # n_active -> seconds of a plain step, or None
-        self._eagle_row_s: float | None = None  # EMA of the EAGLE-3 draft's seconds per drafted row
+        self._fit = [0.0] * 5  # decayed sums (weight, rows, seconds, rows^2, rows x seconds) of its drafts
         store.begin_call()
         self._fed: list[bool] = []  # rows the EAGLE-3 head was fed (and drafted) this step
         self._source: list[str] = []
@@ -369,37 +377,61 @@ class HybridProposer:
     def decoded(self, slots, out) -> None:
         self.eagle.decoded(slots, out)
 
-    def _alpha(self) -> float:
+    def _eagle_expected(self, g: int) -> float:
+        """Accepted tokens per row of an EAGLE-3 chain of g: measured on its rows in this call
+        (accepted per row, scaled to g drafts), else sum_i alpha^i at the prior `eagle_alpha`."""
         s = self.store.stats.get("eagle3")
-        if not s or s["drafted"] < 32:
-            return self.eagle_alpha
-        return s["accepted"] / s["drafted"]
+        if not s or s["rows"] < 32:
+            return sum(self.eagle_alpha ** (i + 1) for i in range(g))
+        return min(float(g), s["accepted"] / s["rows"] * g / (s["drafted"] / s["rows"]))
 
-    def _eagle_cost(self, n_active: int) -> float:
-        """The EAGLE-3 draft's cost per row, in tokens of a plain step at this batch size (0 while
-        either time is unmeasured). On an accelerator the draft's time is read when the step's
-        results come back, so it includes the draft's queued device work."""
-        plain = self.plain_seconds(n_active) if self.plain_seconds is not None else None
-        if not plain or self._eagle_row_s is None:
-            return 0.0
-        return self._eagle_row_s / (plain / n_active)
+    def _eagle_seconds(self, rows: int) -> float | None:
+        """Predicted seconds of an EAGLE-3 draft over `rows` rows: a line fitted to this call's
+        measured drafts (decayed least squares; proportional while one row count was seen)."""
+        w, sk, st, skk, skt = self._fit
+        if w == 0:
+            return None
+        mk, mt = sk / w, st / w
+        var = skk / w - mk * mk
+        if var <= 1e-6 * mk * mk:
+            return mt / mk * rows
+        slope = max((skt / w - mk * mt) / var, 0.0)
+        return max(mt - slope * mk, 0.0) + slope * rows
 
     def _time_eagle(self, seconds: float, rows: int) -> None:
-        per_row = seconds / rows
-        self._eagle_row_s = per_row if self._eagle_row_s is None else 0.8 * self._eagle_row_s + 0.2 * per_row
+        d = 0.9
+        w, sk, st, skk, skt = (x * d for x in self._fit)
+        self._fit = [w + 1, sk + rows, st + seconds, skk + rows * rows, skt + rows * seconds]
 
-    def propose(self, step: SpecStep) -> ChainProposal:
+    def _eagle_rows(self, gains: list[float], n_active: int) -> list[int]:
+        """The rows the EAGLE-3 head drafts: the k rows where it beats history by most, k maximising
+        the summed gain less the draft's predicted time in tokens of a plain step of this batch."""
+        plain = self.plain_seconds(n_active) if self.plain_seconds is not None else None
+        order = sorted(range(len(gains)), key=lambda r: -gains[r])
+        best_k, best, total = 0, 0.0, 0.0
+        for k, r in enumerate(order, 1):
+            total += gains[r] - self.store.config.hybrid_margin
+            t = self._eagle_seconds(k)
+            cost = t / (plain / n_active) if plain and t is not None else 0.0
+            if total - cost > best:
+                best_k, best = k, total - cost
+        return sorted(order[:best_k])
+
+    def propose(self, step: SpecStep) -> ChainProposal | TreeProposal:
         t0 = time.perf_counter()
-        store, cfg, g = self.store, self.store.config, step.depth
+        store, g = self.store, step.depth
         store.observe(step.states)
         drafts = [store.draft(store._live[st.request_id][0], st.request_id, g) for st in step.states]
-        a, kappa = self._alpha(), store.calibration()
-        eagle_net = sum(a ** (i + 1) for i in range(g)) - self._eagle_cost(len(drafts))
-        use_history = [kappa * d.expected >= eagle_net - cfg.hybrid_margin for d in drafts]
+        B, dev = len(drafts), step.slots.device
         self._depth, self._expected = g, [d.expected for d in drafts]
+        if store.config.hybrid == "tree" and step.sampling.mode != "rejection":
+            store.seconds += time.perf_counter() - t0
+            return self._tree(step, drafts)
+        kappa, e_eagle = store.calibration(), self._eagle_expected(g)
+        chosen = set(self._eagle_rows([e_eagle - kappa * d.expected for d in drafts], len(drafts)))
+        use_history = [r not in chosen for r in range(len(drafts))]
         self._fed = [not h for h in use_history]
         self._source = ["history" if h else "eagle3" for h in use_history]
-        B, dev = len(drafts), step.slots.device
         tokens = _chain(drafts, g, dev)  # (B, g): the EAGLE-3 rows are overwritten below
         store.seconds += time.perf_counter() - t0
         eagle_rows = [r for r, h in enumerate(use_history) if not h]
@@ -421,6 +453,21 @@ class HybridProposer:
             draft_logp[idx] = proposal.draft_logp
         return ChainProposal(tokens, draft_logp, proposal.health)
 
+    def _tree(self, step: SpecStep, drafts: list[HistoryDraft]) -> TreeProposal:
+        """Both chains of every row as two branches of one tree: block positions 1..g hold the
+        history chain, g+1..2g the EAGLE-3 chain, each hanging from the root."""
+        g, B, dev = step.depth, len(drafts), step.slots.device
+        chain = self.eagle.propose(step)
+        t0 = time.perf_counter()
+        self._fed, self._source = [True] * B, ["tree"] * B
+        tokens = torch.cat([_chain(drafts, g, dev), chain.tokens], 1)  # (B, 2g)
+        parents = torch.tensor(list(range(g)) + [0] + list(range(g + 1, 2 * g)), device=dev).expand(B, -1)
+        ones = torch.ones(B, 2 * g, dtype=torch.bool, device=dev)
+        self.store.seconds += time.perf_counter() - t0
+        # greedy and coupled verification never read the draft distributions: none are made
+        return TreeProposal(tokens, parents, ones, ones, torch.empty(0, device=dev), max_children=2,
+                            health=chain.health)
+
     def accepted(self, active, verdict, counts) -> None:
         if all(self._fed):
             self.eagle.accepted(active, verdict, counts)
@@ -432,7 +479,7 @@ class HybridProposer:
                     self.eagle.pending[slot] = [run]
                 else:
                     self.eagle.pending[slot].append(run)
-        for source in ("history", "eagle3"):
+        for source in ("history", "eagle3", "tree"):
             rows = [(k, e) for s, k, e in zip(self._source, counts, self._expected) if s == source]
             if rows:
                 self.store.record(source, len(rows), self._depth * len(rows), sum(k - 1 for k, _ in rows),

@@ -69,6 +69,7 @@ class Speculator:
         self.controller = None  # optional: picks plain or gamma per step (specrl.controller)
         self.faults: list[str] = []  # one line per draft-side failure, newest last
         self.version = 0  # version of the draft weights in use (hot swap)
+        self.branches = 1  # chains a proposer may verify side by side as branches of one tree (rollout.history)
 
     def check_target(self, target) -> None:
         """Fail with a one-line error if the draft was not built for this target."""
@@ -95,14 +96,14 @@ class Speculator:
         """Most cache positions one verify block can write past the last kept token."""
         c, depth = self.config, self.max_depth()
         if c.mode == "chain":
-            return depth + 1
+            return self.branches * depth + 1
         return 1 + c.tree_topk + (depth - 1) * c.tree_topk ** 2  # every drafted candidate, at worst
 
     def verify_width(self) -> int:
         """Tokens per row in a verify block of the configured shape: a chain's root and gamma
-        drafts, a tree's root and up to `tree_budget` nodes."""
+        drafts (per branch), a tree's root and up to `tree_budget` nodes."""
         c = self.config
-        return 1 + (c.gamma if c.mode == "chain" else c.tree_budget)
+        return 1 + (self.branches * c.gamma if c.mode == "chain" else c.tree_budget)
 
     def begin(self, n_slots: int, max_len: int) -> "SpecSession":
         """The session of one generate() call over `n_slots` cache slots of `max_len` tokens."""

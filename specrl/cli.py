@@ -352,8 +352,8 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
             raise ValueError(f"--drafter {args.drafter} needs --spec frozen or online")
         if args.drafter == "history" and args.spec == "online":
             raise ValueError("--drafter history has no draft to train: use --spec frozen (or --drafter hybrid)")
-        if args.drafter != "eagle3" and args.engine != "embedded":
-            raise ValueError(f"--drafter {args.drafter} runs on the embedded engine (vLLM drafts with its own proposer)")
+        if args.drafter == "hybrid" and args.engine != "embedded":
+            raise ValueError("--drafter hybrid runs on the embedded engine (vLLM takes one speculative method)")
         return (args.task, args.preset, args.out), {**common, "resume": args.resume, "steps": args.steps,
                                                     "progress": not args.no_progress, "spec": args.spec,
                                                     "engine": args.engine, "drafter": args.drafter}

@@ -437,3 +437,17 @@ def test_only_the_cli_imports_experiments(tmp_path):
     (planted / "buffer.py").write_text((planted / "buffer.py").read_text()
                                        + "\n\ndef _f():\n    from experiments.bench.common import machine_info\n")
     assert importers(planted) == ["buffer.py"]
+
+
+def test_drafter_choices_that_cannot_run_are_refused_in_one_line(tmp_path, capsys):
+    """--drafter history trains nothing (so not with --spec online), needs speculation on, and the
+    hybrid needs the embedded engine; each is refused before any work, nothing written."""
+    out = tmp_path / "r"
+    cases = [(["--spec", "online", "--drafter", "history"], "--drafter history has no draft to train"),
+             (["--drafter", "history"], "--drafter history needs --spec frozen or online"),
+             (["--spec", "online", "--drafter", "hybrid", "--engine", "vllm"], "--drafter hybrid runs on the embedded")]
+    for argv, msg in cases:
+        assert main(["train-rl", "--preset", "ci", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+    assert not out.exists()

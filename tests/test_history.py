@@ -9,9 +9,9 @@ import torch
 
 import rollout.verify as verify
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.history import HistoryConfig, HistoryProposer, HistoryStore, HybridProposer
-from rollout.protocol import SamplingParams, Trajectory
-from rollout.speculative import Eagle3Proposer, SpecConfig, Speculator
+from rollout.history import HistoryConfig, HistoryProposer, HistoryStore, HybridProposer, install_history
+from rollout.protocol import SamplingParams, Trajectory, summarize_spec_stats
+from rollout.speculative import SpecConfig, Speculator
 from test_speculative_law import ALPHA, CHAIN, N, law_check, pair, residual_check, _generate  # noqa: F401 (pair: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -22,9 +22,11 @@ def _history_speculator(store: HistoryStore, gamma: int = 3) -> Speculator:
 
 
 def _hybrid_speculator(draft, store: HistoryStore, gamma: int = 3) -> Speculator:
+    """The hybrid as the co-training plug-in installs it (rollout.history.install_history)."""
+    from types import SimpleNamespace
+
     spec = Speculator(draft, SpecConfig("chain", gamma))
-    spec.proposer = lambda n_slots, max_len: HybridProposer(Eagle3Proposer(spec.draft, spec.config, n_slots, max_len),
-                                                            store)
+    install_history(SimpleNamespace(speculator=spec), store, "hybrid")
     return spec
 
 
@@ -96,13 +98,36 @@ def test_store_keeps_bounded_memory_and_proposes_the_majority():
 
 def test_history_config_refuses_nonsense():
     for bad in (dict(max_match=1), dict(siblings=False, history=False), dict(max_candidates=0),
-                dict(hybrid_margin=float("nan"))):
+                dict(hybrid_margin=float("nan")), dict(hybrid="both")):
         with pytest.raises(ValueError, match="HistoryConfig"):
             HistoryConfig(**bad)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_hybrid_decodes_what_plain_decoding_does(tiny_model, prompts, offline_draft, sft_policy, temperature):
+def test_hybrid_of_two_branches_decodes_what_plain_decoding_does(offline_draft, sft_policy, temperature):
+    """The default hybrid ("tree"): each row's history chain and EAGLE-3 chain verified as two
+    branches of one tree. Plain decoding's tokens and log-probs, and at least the EAGLE-3 chain's
+    acceptance alone (the tree holds that chain, so the longer accepted branch can only add)."""
+    tokenizer, task, policy, _ = sft_policy
+    exs = task.examples("train", 4, 3)
+    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
+    params = SamplingParams(temperature=temperature, max_new_tokens=48, stop_token_ids=(tokenizer.eos_id,), seed=2)
+    plain, _ = _generate_with(policy, group, params, batch=8)
+    store = HistoryStore(HistoryConfig(hybrid="tree"))
+    out, engine = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), batch=8)
+    assert engine.draft_faults == []
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    for a, b in zip(out, plain):
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    alone, _ = _generate_with(policy, group, params, Speculator(offline_draft, SpecConfig("chain", 3)), batch=8)
+    tree, eagle = (summarize_spec_stats(t.spec for t in x)["accept_length"] for x in (out, alone))
+    assert set(store.stats) == {"tree"} and tree >= 0.95 * eagle, (tree, eagle)
+    if temperature == 0.0:  # greedy siblings agree: the history branch adds accepted tokens
+        assert tree > 1.05 * eagle, (tree, eagle)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_hybrid_by_rows_decodes_what_plain_decoding_does(tiny_model, prompts, offline_draft, sft_policy, temperature):
     """Hybrid of the EAGLE-3 chain and history drafts on the SFT policy: plain decoding's tokens and
     log-probs; both sources draft rows; the EAGLE-3 head drafts all rows, some (the others'
     pending features grow) or, in greedy steps where every row takes the history draft, none."""
@@ -111,7 +136,7 @@ def test_hybrid_decodes_what_plain_decoding_does(tiny_model, prompts, offline_dr
     group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
     params = SamplingParams(temperature=temperature, max_new_tokens=48, stop_token_ids=(tokenizer.eos_id,), seed=2)
     plain, _ = _generate_with(policy, group, params, batch=8)
-    store = HistoryStore()
+    store = HistoryStore(HistoryConfig(hybrid="rows"))
     fed = []  # per step: rows the EAGLE-3 head drafted, of all rows
     orig = HybridProposer.propose
 

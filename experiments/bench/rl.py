@@ -36,6 +36,8 @@ the tail), reward scoring, policy update, feature capture, draft training (with 
 sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` steps):
   step_s, rollout_s, ...   medians over steps
   step_speedup             median step_s of off / of the arm (rollout_speedup: the same for rollout)
+  engine_steps             median engine steps per rollout (every arm emits the same tokens)
+  accept_length_curve      the accept length of every step, warm-up included
   cotrain_share            median over steps of (feature capture + draft training) / step_s
   segment_step_speedups    the same ratio within each segment (its spread is the ratio's noise)
 
@@ -206,6 +208,8 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int) -> dict:
         m["accept_length"] = _median(r.get("rollout/spec_accept_length") for r in spec)
         steps = sum(r.get("rollout/engine_steps") or 0 for r in rs)
         m["spec_step_fraction"] = (sum(r.get("rollout/spec_steps") or 0 for r in rs) / steps) if steps else None
+        m["engine_steps"] = _median(r.get("rollout/engine_steps") for r in rs)  # same tokens: fewer steps, less work
+        m["accept_length_curve"] = [r.get("rollout/spec_accept_length") for r in rows[a]]  # every step, in order
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
         for key in ("perf/history_s", "rollout/history_rows_share", "rollout/history_alpha", "rollout/eagle3_alpha"):
