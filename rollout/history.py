@@ -454,19 +454,25 @@ class HybridProposer:
         return ChainProposal(tokens, draft_logp, proposal.health)
 
     def _tree(self, step: SpecStep, drafts: list[HistoryDraft]) -> TreeProposal:
-        """Both chains of every row as two branches of one tree: block positions 1..g hold the
-        history chain, g+1..2g the EAGLE-3 chain, each hanging from the root."""
+        """Both chains of every row as one tree: their common prefix once, then two branches.
+        Block positions 1..g hold the history chain; g+1..2g the EAGLE-3 chain, whose first c nodes
+        (the prefix it shares with the history chain, c per row) are padding and whose node c
+        hangs from the history chain's node at depth c. Shared prefixes matter: two siblings with
+        one token would let the first one's branch take the accepted path whatever the other's."""
         g, B, dev = step.depth, len(drafts), step.slots.device
         chain = self.eagle.propose(step)
         t0 = time.perf_counter()
         self._fed, self._source = [True] * B, ["tree"] * B
-        tokens = torch.cat([_chain(drafts, g, dev), chain.tokens], 1)  # (B, 2g)
-        parents = torch.tensor(list(range(g)) + [0] + list(range(g + 1, 2 * g)), device=dev).expand(B, -1)
-        ones = torch.ones(B, 2 * g, dtype=torch.bool, device=dev)
+        hist = _chain(drafts, g, dev)  # (B, g)
+        c = (hist == chain.tokens).long().cumprod(1).sum(1, keepdim=True)  # (B, 1) shared prefix
+        j = torch.arange(g, device=dev)[None, :]  # (1, g) EAGLE-3 node index
+        eagle_parents = torch.where(j == c, c, g + j).masked_fill(j < c, 0)  # (B, g) block positions
+        parents = torch.cat([j.expand(B, -1), eagle_parents], 1)  # (B, 2g)
+        valid = torch.cat([torch.ones(B, g, dtype=torch.bool, device=dev), j >= c], 1)
         self.store.seconds += time.perf_counter() - t0
         # greedy and coupled verification never read the draft distributions: none are made
-        return TreeProposal(tokens, parents, ones, ones, torch.empty(0, device=dev), max_children=2,
-                            health=chain.health)
+        return TreeProposal(torch.cat([hist, chain.tokens], 1), parents, valid, valid, torch.empty(0, device=dev),
+                            max_children=2, health=chain.health)
 
     def accepted(self, active, verdict, counts) -> None:
         if all(self._fed):

@@ -222,3 +222,24 @@ def test_history_drafts_keep_the_target_law_in_rng_mode(pair, monkeypatch, broke
     rstat, rdf, rp, n = residual_check(pair[0], decisions)
     assert rp > ALPHA and n >= 300, f"residual: chi2={rstat:.1f} df={rdf} p={rp:.2e} over {n} tokens"
     assert sum(s.n for s in steps) > N  # drafts were accepted: the check saw verify decisions past depth 0
+
+
+def test_the_two_branch_tree_shares_the_chains_common_prefix():
+    """Rows whose history and EAGLE-3 chains agree on a prefix hold it once: the EAGLE-3 branch
+    hangs from the history node where they part (its duplicate nodes are padding). Two sibling
+    nodes with one token would let the first branch take the path whatever the second holds."""
+    from types import SimpleNamespace
+
+    from rollout.history import HistoryDraft
+    from rollout.proposer import ChainProposal
+
+    eagle_tokens = torch.tensor([[5, 6, 9], [1, 2, 3], [7, 7, 7]])
+    eagle = SimpleNamespace(propose=lambda step: ChainProposal(eagle_tokens, None))
+    hybrid = HybridProposer(eagle, HistoryStore())
+    drafts = [HistoryDraft([5, 6, 7], 1.0), HistoryDraft([4, 2, 3], 1.0), HistoryDraft([7, 7, 7], 1.0)]
+    tree = hybrid._tree(SimpleNamespace(depth=3, slots=torch.zeros(3, dtype=torch.long)), drafts)
+    assert tree.tokens.tolist() == [[5, 6, 7, 5, 6, 9], [4, 2, 3, 1, 2, 3], [7, 7, 7, 7, 7, 7]]
+    # block positions: the history chain at 1..3 (parents 0, 1, 2), the EAGLE-3 chain at 4..6
+    assert tree.parents[0].tolist()[3:] == [0, 0, 2] and tree.valid[0].tolist() == [True] * 3 + [False, False, True]
+    assert tree.parents[1].tolist() == [0, 1, 2, 0, 4, 5] and tree.valid[1].all()
+    assert tree.valid[2].tolist() == [True] * 3 + [False] * 3  # the same chain twice: one branch
