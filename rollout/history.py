@@ -62,10 +62,11 @@ class HistoryConfig:
     """Finished answers kept per prompt; the oldest policy versions leave first."""
     max_prompts: int = 4096
     """Prompts kept; the least recently fed leave first."""
-    hybrid: str = "tree"
-    """Hybrid: "tree" verifies the history chain and the EAGLE-3 chain of every row as two branches
-    of one tree (the longer accepted run wins; greedy and coupled sampling; rejection sampling
-    uses "rows"); "rows" picks one chain per row by expected accepted tokens for the cost."""
+    hybrid: str = "rows"
+    """Hybrid: "rows" picks one chain per row by expected accepted tokens for the cost; "tree"
+    verifies the history chain and the EAGLE-3 chain of every row as two branches of one tree
+    (the longer accepted run wins: the most accepted tokens, for a verify block twice as wide and
+    the EAGLE-3 draft on every row; greedy and coupled sampling, rejection sampling uses "rows")."""
     hybrid_margin: float = 0.0
     """Hybrid: tokens per row by which the EAGLE-3 chain's estimate must beat the history draft's,
     on top of its measured cost, for the row to take it (HybridProposer)."""

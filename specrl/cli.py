@@ -294,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the rollout time speculation saves), frozen-fixed and online-fixed (the preset's chain at "
                         "every step, no adaptive controller), off-b (a second off run: the noise floor), history "
                         "(drafts from the group's siblings and earlier answers, no model), history-sib / history-past "
-                        "(siblings only / earlier answers only), hybrid (history or the online EAGLE-3 chain per row)")
+                        "(siblings only / earlier answers only), hybrid (history or the online EAGLE-3 chain per row), "
+                        "hybrid-tree (both chains as two branches of one verified tree)")
     r.add_argument("--prompt-pool", type=_int_in(1), default=None,
                    help="training prompts the steps sample from (default: the preset's); a small pool revisits "
                         "prompts sooner, as epochs do")

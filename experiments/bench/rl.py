@@ -19,6 +19,7 @@ rotating from segment to segment, all in one process:
   hybrid        per row and step, the history draft or the online EAGLE-3 chain, whichever
                 promises more accepted tokens; the EAGLE-3 head co-trained as in `online`
   history-sib, history-past: the history drafter from in-flight siblings only / earlier answers only
+  hybrid-tree   the hybrid verifying both chains of every row as two branches of one tree
 
 On vLLM (`engine="vllm"`), which takes no per-step controller, the speculating arms run the
 preset's chain at every step; with `vllm_schedule` they speculate by batch size instead (vLLM's
@@ -61,7 +62,7 @@ from specrl.presets import get_preset, priced
 from specrl.run_dir import RunDirError
 
 ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "history", "hybrid",
-        "history-sib", "history-past")
+        "history-sib", "history-past", "hybrid-tree")
 DEFAULT_ARMS = ("off", "frozen", "online")
 DEFAULT_STEPS = 20  # RL steps per arm: four segments of 5, enough for a median of each
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
@@ -84,6 +85,8 @@ def arm_setup(arm: str, preset):
             history = dataclasses.replace(history, history=False)
         elif arm.endswith("-past"):
             history = dataclasses.replace(history, siblings=False)
+        elif arm.endswith("-tree"):
+            history = dataclasses.replace(history, hybrid="tree")
         mode, drafter = ("frozen", "history") if mode == "history" else ("online", "hybrid")
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, mode=mode, drafter=drafter,
                                                                          history=history))
