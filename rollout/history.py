@@ -134,6 +134,7 @@ class HistoryStore:
         self._live: dict[int, tuple[tuple[int, ...], int]] = {}  # request id -> (prompt key, tokens stored)
         self.seconds = 0.0  # host time spent storing and drafting
         self.stats: dict[str, dict[str, int]] = {}  # per source: rows, drafted, accepted (this generate call)
+        self._calib: dict[int, list] = {}  # bucket of a history draft's estimate -> [estimates, accepted, rows]
 
     # -- feeding ---------------------------------------------------------------------------
     def _entry(self, key: tuple[int, ...]) -> _PromptAnswers:
@@ -157,6 +158,7 @@ class HistoryStore:
                 self.prompts[key].drop(ids)
         self._live.clear()
         self.stats = {}
+        self._calib = {}
 
     def add_rollout(self, trajectories) -> None:
         """Finished answers (rollout.protocol.Trajectory: prompt_ids, token_ids) of an RL step."""
@@ -254,9 +256,24 @@ class HistoryStore:
         s["accepted"] += accepted
         s["expected"] += expected
 
-    def calibration(self) -> float:
-        """Accepted history tokens per token the history drafts expected, in this call (1 until
-        enough were drafted): the shares of a few matching answers overstate the target's agreement."""
+    def record_history_rows(self, accepted: list[int], expected: list[float]) -> None:
+        """History-drafted rows of a verify step: tokens each accepted against its draft's estimate,
+        kept per whole-token bucket of the estimate (`calibration`)."""
+        for k, e in zip(accepted, expected):
+            b = self._calib.setdefault(min(int(e), 8), [0.0, 0.0, 0])
+            b[0] += e
+            b[1] += k
+            b[2] += 1
+
+    def calibration(self, expected: float | None = None) -> float:
+        """Accepted history tokens per token the history drafts expected, in this call, among
+        drafts whose estimate fell in the same whole-token bucket as `expected` (from 16 rows on;
+        before, over all history rows; before 32 drafted tokens, 1). The shares of a few matching
+        answers overstate the target's agreement, the more so the more confident the draft."""
+        if expected is not None:
+            b = self._calib.get(min(int(expected), 8))
+            if b is not None and b[2] >= 16 and b[0] > 0:
+                return b[1] / b[0]
         s = self.stats.get("history")
         if not s or s["drafted"] < 32 or s["expected"] <= 0:
             return 1.0
@@ -332,14 +349,15 @@ class HistoryProposer:
         store = self.store
         store.observe(step.states)
         drafts = [store.draft(store._live[st.request_id][0], st.request_id, step.depth) for st in step.states]
-        self._depth, self._expected = step.depth, sum(d.expected for d in drafts)
+        self._depth, self._expected = step.depth, [d.expected for d in drafts]
         tokens = _chain(drafts, step.depth, step.slots.device)
         store.seconds += time.perf_counter() - t0
         return ChainProposal(tokens, None)
 
     def accepted(self, active, verdict, counts) -> None:
         self.store.record("history", len(counts), self._depth * len(counts), sum(counts) - len(counts),
-                          self._expected)
+                          sum(self._expected))
+        self.store.record_history_rows([k - 1 for k in counts], self._expected)
 
 
 class HybridProposer:
@@ -348,7 +366,7 @@ class HybridProposer:
 
     Estimates, in accepted tokens per row: EAGLE-3's is what its rows accepted so far in this call
     (scaled to this step's chain; before 32 rows, sum_i alpha^i at the prior `eagle_alpha`);
-    history's is the draft's `expected` times the store's calibration. A history draft costs
+    history's is the draft's `expected` times the store's calibration for drafts that confident. A history draft costs
     nothing on the device; an EAGLE-3 draft over k rows costs the seconds a line fitted to its
     measured drafts in this call predicts, counted in tokens at the measured seconds per token of
     a plain step of this batch size (`plain_seconds`, the controller's; without it the cost is
@@ -428,8 +446,9 @@ class HybridProposer:
         if store.config.hybrid == "tree" and step.sampling.mode != "rejection":
             store.seconds += time.perf_counter() - t0
             return self._tree(step, drafts)
-        kappa, e_eagle = store.calibration(), self._eagle_expected(g)
-        chosen = set(self._eagle_rows([e_eagle - kappa * d.expected for d in drafts], len(drafts)))
+        e_eagle = self._eagle_expected(g)
+        gains = [e_eagle - store.calibration(d.expected) * d.expected for d in drafts]
+        chosen = set(self._eagle_rows(gains, len(drafts)))
         use_history = [r not in chosen for r in range(len(drafts))]
         self._fed = [not h for h in use_history]
         self._source = ["history" if h else "eagle3" for h in use_history]
@@ -491,6 +510,8 @@ class HybridProposer:
             if rows:
                 self.store.record(source, len(rows), self._depth * len(rows), sum(k - 1 for k, _ in rows),
                                   sum(e for _, e in rows) if source == "history" else 0.0)
+                if source == "history":
+                    self.store.record_history_rows([k - 1 for k, _ in rows], [e for _, e in rows])
 
 
 def _step_rows(step: SpecStep, rows: list[int], idx: torch.Tensor) -> SpecStep:

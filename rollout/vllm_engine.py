@@ -135,7 +135,7 @@ def _pack(tensors: dict[str, torch.Tensor]) -> bytes:
 def _models(worker):
     runner = worker.model_runner
     drafter = getattr(runner, "drafter", None)
-    return runner.get_model(), (drafter.model if drafter is not None else None)
+    return runner.get_model(), getattr(drafter, "model", None)  # a custom proposer has no model
 
 
 def _reload_in_worker(worker, blob: bytes, which: str) -> dict:

@@ -243,3 +243,18 @@ def test_the_two_branch_tree_shares_the_chains_common_prefix():
     assert tree.parents[0].tolist()[3:] == [0, 0, 2] and tree.valid[0].tolist() == [True] * 3 + [False, False, True]
     assert tree.parents[1].tolist() == [0, 1, 2, 0, 4, 5] and tree.valid[1].all()
     assert tree.valid[2].tolist() == [True] * 3 + [False] * 3  # the same chain twice: one branch
+
+
+def test_hybrid_rows_keep_the_target_law_in_rng_mode(pair, monkeypatch):
+    """rng mode, the hybrid choosing per row (point masses from history beside EAGLE-3's q in one
+    chain): the tokens decided at every depth follow the target's law (power: the point-mass
+    rule broken as above fails the history-only check; EAGLE-3's rows are
+    test_speculative_law's)."""
+    target, draft = pair
+    store = HistoryStore(HistoryConfig(hybrid="rows"))
+    decisions, steps = _generate(pair, CHAIN, monkeypatch, speculator=_hybrid_speculator(draft, store))
+    stat, df, pval, tested = law_check(target, decisions, min_depth=0)
+    assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
+    stat1, df1, pval1, tested1 = law_check(target, decisions, min_depth=1)
+    assert pval1 > ALPHA and tested1[1] >= 300, (stat1, df1, pval1, tested1)
+    assert store.stats["history"]["rows"] > 0 and store.stats["eagle3"]["rows"] > 0, store.stats

@@ -656,6 +656,9 @@ def test_history_drafter_runs_in_vllm_losslessly(setup, plain):
         same = sum(a.token_ids == b.token_ids for a, b in zip(got, ref))
         print(f"history drafter on vLLM, sampled: {same}/{len(ref)} sequences equal plain vLLM's")
         assert summarize_spec_stats(t.spec for t in got)["accept_length"] > 1.0
+        engine.load_policy_weights(setup[2].state_dict())  # a policy sync with a drafter that has no model
+        assert [t.token_ids for t in engine.generate(prompts, greedy, request_ids=range(len(prompts)))] == \
+            [t.token_ids for t in first]
     finally:
         engine.shutdown()
 
