@@ -368,7 +368,8 @@ class HybridProposer:
     (scaled to this step's chain; before 32 rows, sum_i alpha^i at the prior `eagle_alpha`);
     history's is the draft's `expected` times the store's calibration for drafts that confident. A history draft costs
     nothing on the device; an EAGLE-3 draft over k rows costs the seconds a line fitted to its
-    measured drafts in this call predicts, counted in tokens at the measured seconds per token of
+    measured chain drafts in this call predicts (the feed of pending features left out: every row
+    owes it, and a skipped row's grows into one wider forward later), counted in tokens at the measured seconds per token of
     a plain step of this batch size (`plain_seconds`, the controller's; without it the cost is
     taken as 0). The head takes the k rows where it beats history by most (less
     `HistoryConfig.hybrid_margin` each), k maximising the summed gain less that cost.
@@ -457,14 +458,13 @@ class HybridProposer:
         eagle_rows = [r for r, h in enumerate(use_history) if not h]
         if not eagle_rows:
             return ChainProposal(tokens, None)
-        t0 = time.perf_counter()
         if len(eagle_rows) == B:
             proposal = self.eagle.propose(step)
-            self._time_eagle(time.perf_counter() - t0, B)
+            self._time_eagle(time.perf_counter() - self.eagle.drafted_at, B)
             return proposal
         idx = torch.tensor(eagle_rows, device=dev)
         proposal = self.eagle.propose(_step_rows(step, eagle_rows, idx))
-        self._time_eagle(time.perf_counter() - t0, len(eagle_rows))
+        self._time_eagle(time.perf_counter() - self.eagle.drafted_at, len(eagle_rows))
         tokens[idx] = proposal.tokens
         draft_logp = None
         if proposal.draft_logp is not None:  # rejection sampling: the history rows' q is the point mass

@@ -16,6 +16,7 @@ are the next step's pending pairs.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -210,6 +211,7 @@ class Eagle3Proposer:
         h_last, q_last = self._feed_pending(step.slots, step.active, step.states)  # (B, H), (B, V)
         health = q_last.amax()
         tick(self._prof, "draft_features")
+        self.drafted_at = time.perf_counter()  # host time the feed ended (queued device work not waited for)
         if self.cfg.mode == "chain":
             tokens, draft_logp = self._draft_chain(step.slots, step.key_len, h_last, q_last, step.depth, step.sampling)
             self.cache.rollback(step.slots, step.lengths, check=False)
