@@ -36,7 +36,7 @@ import dataclasses
 import math
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -178,16 +178,10 @@ class HistoryStore:
     def observe(self, states) -> None:
         """Bring the stored in-flight answers up to the engine's host token lists (RequestView)."""
         for st in states:
-            live = self._live.get(st.request_id)
-            if live is None:
-                key = tuple(st.prompt)
-                live = (key, 0)
-            key, n = live
+            key, n = self._live.get(st.request_id) or (tuple(st.prompt), 0)
             if n < len(st.tokens):
                 self._entry(key).extend(("live", st.request_id), st.tokens[n:])
-                self._live[st.request_id] = (key, len(st.tokens))
-            elif st.request_id not in self._live:
-                self._live[st.request_id] = live
+            self._live[st.request_id] = (key, len(st.tokens))
 
     # -- drafting --------------------------------------------------------------------------
     def _usable(self, aid, own) -> bool:
@@ -220,9 +214,9 @@ class HistoryStore:
                 found.append((seq, pos))
         return found
 
-    def draft(self, prompt: tuple[int, ...], own: int, depth: int) -> HistoryDraft:
-        """Up to `depth` tokens continuing request `own`'s stored answer (call `observe` first)."""
-        entry = self.prompts.get(prompt)
+    def draft(self, own: int, depth: int) -> HistoryDraft:
+        """Up to `depth` tokens continuing request `own`'s stored answer (`observe` it first)."""
+        entry = self.prompts.get(self._live[own][0])
         if entry is None:
             return HistoryDraft([], 0.0)
         ctx = entry.answers.get(("live", own))
@@ -249,16 +243,16 @@ class HistoryStore:
         t, self.seconds = self.seconds, 0.0
         return t
 
-    def record(self, source: str, rows: int, drafted: int, accepted: int, expected: float = 0.0) -> None:
+    def record(self, source: str, depth: int, accepted: list[int], expected: list[float]) -> None:
+        """A verify step's rows drafted by `source`, chains of `depth`: the drafts each row accepted
+        and, for history rows, its draft's estimate (kept per whole-token bucket: `calibration`)."""
         s = self.stats.setdefault(source, {"rows": 0, "drafted": 0, "accepted": 0, "expected": 0.0})
-        s["rows"] += rows
-        s["drafted"] += drafted
-        s["accepted"] += accepted
-        s["expected"] += expected
-
-    def record_history_rows(self, accepted: list[int], expected: list[float]) -> None:
-        """History-drafted rows of a verify step: tokens each accepted against its draft's estimate,
-        kept per whole-token bucket of the estimate (`calibration`)."""
+        s["rows"] += len(accepted)
+        s["drafted"] += depth * len(accepted)
+        s["accepted"] += sum(accepted)
+        if source != "history":
+            return
+        s["expected"] += sum(expected)
         for k, e in zip(accepted, expected):
             b = self._calib.setdefault(min(int(e), 8), [0.0, 0.0, 0])
             b[0] += e
@@ -348,16 +342,14 @@ class HistoryProposer:
         t0 = time.perf_counter()
         store = self.store
         store.observe(step.states)
-        drafts = [store.draft(store._live[st.request_id][0], st.request_id, step.depth) for st in step.states]
+        drafts = [store.draft(st.request_id, step.depth) for st in step.states]
         self._depth, self._expected = step.depth, [d.expected for d in drafts]
         tokens = _chain(drafts, step.depth, step.slots.device)
         store.seconds += time.perf_counter() - t0
         return ChainProposal(tokens, None)
 
     def accepted(self, active, verdict, counts) -> None:
-        self.store.record("history", len(counts), self._depth * len(counts), sum(counts) - len(counts),
-                          sum(self._expected))
-        self.store.record_history_rows([k - 1 for k in counts], self._expected)
+        self.store.record("history", self._depth, [k - 1 for k in counts], self._expected)
 
 
 class HybridProposer:
@@ -366,13 +358,14 @@ class HybridProposer:
 
     Estimates, in accepted tokens per row: EAGLE-3's is what its rows accepted so far in this call
     (scaled to this step's chain; before 32 rows, sum_i alpha^i at the prior `eagle_alpha`);
-    history's is the draft's `expected` times the store's calibration for drafts that confident. A history draft costs
-    nothing on the device; an EAGLE-3 draft over k rows costs the seconds a line fitted to its
-    measured chain drafts in this call predicts (the feed of pending features left out: every row
-    owes it, and a skipped row's grows into one wider forward later), counted in tokens at the measured seconds per token of
-    a plain step of this batch size (`plain_seconds`, the controller's; without it the cost is
-    taken as 0). The head takes the k rows where it beats history by most (less
-    `HistoryConfig.hybrid_margin` each), k maximising the summed gain less that cost.
+    history's is the draft's `expected` times the store's calibration for drafts that confident.
+    A history draft costs nothing on the device; an EAGLE-3 draft over k rows costs the seconds a
+    line fitted to its measured chain drafts in this call predicts (the feed of pending features
+    left out: every row owes it, and a skipped row's grows into one wider forward later), counted
+    in tokens at the measured seconds per token of a plain step of this batch size
+    (`plain_seconds`, the controller's; without it the cost is taken as 0). The head takes the k
+    rows where it beats history by most (less `HistoryConfig.hybrid_margin` each), k maximising
+    the summed gain less that cost.
 
     The EAGLE-3 head is fed and drafts only the rows it wins, and not at all in a step where history
     wins every row; the rows it skipped keep their pending features, which it feeds the next time
@@ -441,7 +434,7 @@ class HybridProposer:
         t0 = time.perf_counter()
         store, g = self.store, step.depth
         store.observe(step.states)
-        drafts = [store.draft(store._live[st.request_id][0], st.request_id, g) for st in step.states]
+        drafts = [store.draft(st.request_id, g) for st in step.states]
         B, dev = len(drafts), step.slots.device
         self._depth, self._expected = g, [d.expected for d in drafts]
         if store.config.hybrid == "tree" and step.sampling.mode != "rejection":
@@ -449,13 +442,13 @@ class HybridProposer:
             return self._tree(step, drafts)
         e_eagle = self._eagle_expected(g)
         gains = [e_eagle - store.calibration(d.expected) * d.expected for d in drafts]
-        chosen = set(self._eagle_rows(gains, len(drafts)))
-        use_history = [r not in chosen for r in range(len(drafts))]
-        self._fed = [not h for h in use_history]
-        self._source = ["history" if h else "eagle3" for h in use_history]
+        eagle_rows = self._eagle_rows(gains, B)
+        self._fed = [False] * B
+        for r in eagle_rows:
+            self._fed[r] = True
+        self._source = ["eagle3" if fed else "history" for fed in self._fed]
         tokens = _chain(drafts, g, dev)  # (B, g): the EAGLE-3 rows are overwritten below
         store.seconds += time.perf_counter() - t0
-        eagle_rows = [r for r, h in enumerate(use_history) if not h]
         if not eagle_rows:
             return ChainProposal(tokens, None)
         if len(eagle_rows) == B:
@@ -506,12 +499,9 @@ class HybridProposer:
                 else:
                     self.eagle.pending[slot].append(run)
         for source in ("history", "eagle3", "tree"):
-            rows = [(k, e) for s, k, e in zip(self._source, counts, self._expected) if s == source]
+            rows = [(k - 1, e) for s, k, e in zip(self._source, counts, self._expected) if s == source]
             if rows:
-                self.store.record(source, len(rows), self._depth * len(rows), sum(k - 1 for k, _ in rows),
-                                  sum(e for _, e in rows) if source == "history" else 0.0)
-                if source == "history":
-                    self.store.record_history_rows([k - 1 for k, _ in rows], [e for _, e in rows])
+                self.store.record(source, self._depth, [k for k, _ in rows], [e for _, e in rows])
 
 
 def _step_rows(step: SpecStep, rows: list[int], idx: torch.Tensor) -> SpecStep:

@@ -95,7 +95,7 @@ class HistoryVLLMProposer:
                 drafts.append([])
                 continue
             self.store.observe([st])
-            drafts.append(self.store.draft(tuple(st.prompt), st.request_id, self.k).tokens)
+            drafts.append(self.store.draft(st.request_id, self.k).tokens)
         return drafts
 
 

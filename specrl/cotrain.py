@@ -443,22 +443,8 @@ class SpecCoTrainer:
             self.draft_trainer.load_state_dict(state["draft_trainer"])  # refuses non-finite weights itself
             faults += self.draft_trainer.counters["rollbacks"] - state["draft_trainer"].get(
                 "counters", {}).get("rollbacks", 0)
-        problem = None if self.draft is None else check_draft_weights(state["engine_draft"], self.draft.state_dict())
-        if self.draft is None:
-            pass
-        elif problem is None:
-            self.engine.push_draft(state["engine_draft"], state["engine_draft_version"])
-            self._engine_version = state["engine_draft_version"]
-        else:  # a NaN engine draft would turn speculation off for good: use the trainer's (or the starting) one
-            faults += 1
-            weights = self.draft_trainer.export_weights() if self.draft_trainer is not None else None
-            if weights is not None and check_draft_weights(weights, self.draft.state_dict()) is None:
-                self.engine.push_draft(weights, self.draft_trainer.version)
-                self._engine_version, which = self.draft_trainer.version, "trainer"
-            else:
-                which = "starting"  # install_draft gave the engine the starting draft
-            warnings.warn(f"the resumed engine draft is unusable ({problem}); speculating with the "
-                          f"{which} draft instead", RuntimeWarning)
+        if self.draft is not None:  # drafter "history" holds no draft
+            faults += self._restore_engine_draft(state)
         self.buffer.load_state_dict(state["buffer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if self.controller is not None and state["controller"] is not None:
@@ -466,3 +452,22 @@ class SpecCoTrainer:
         self.generator.set_state(state["generator"])
         self.faults = state["faults"] + faults
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it
+
+    def _restore_engine_draft(self, state: dict) -> int:
+        """Push the checkpoint's engine draft; a non-finite one is replaced by the trainer's (or the
+        starting) draft and counted as a fault (the return value)."""
+        problem = check_draft_weights(state["engine_draft"], self.draft.state_dict())
+        if problem is None:
+            self.engine.push_draft(state["engine_draft"], state["engine_draft_version"])
+            self._engine_version = state["engine_draft_version"]
+            return 0
+        # a NaN engine draft would turn speculation off for good: use the trainer's (or the starting) one
+        weights = self.draft_trainer.export_weights() if self.draft_trainer is not None else None
+        if weights is not None and check_draft_weights(weights, self.draft.state_dict()) is None:
+            self.engine.push_draft(weights, self.draft_trainer.version)
+            self._engine_version, which = self.draft_trainer.version, "trainer"
+        else:
+            which = "starting"  # install_draft gave the engine the starting draft
+        warnings.warn(f"the resumed engine draft is unusable ({problem}); speculating with the "
+                      f"{which} draft instead", RuntimeWarning)
+        return 1

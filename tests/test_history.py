@@ -39,6 +39,22 @@ def _generate_with(model, prompts, params, speculator=None, sampling_mode="coupl
     return engine.generate(prompts, params, request_ids=ids), engine
 
 
+def _sft_groups(sft_policy, n_prompts: int, seed: int, max_new_tokens: int, **sampling):
+    """(policy, GRPO-style groups of 6 of n arith prompts, their sampling params) on the SFT policy."""
+    tokenizer, task, policy, _ = sft_policy
+    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in task.examples("train", n_prompts, seed)
+             for _ in range(6)]
+    params = SamplingParams(max_new_tokens=max_new_tokens, stop_token_ids=(tokenizer.eos_id,), seed=2, **sampling)
+    return policy, group, params
+
+
+def _assert_plain(out, plain):
+    """Plain decoding's tokens, and its log-probs within float noise."""
+    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
+    for a, b in zip(out, plain):
+        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_history_drafts_decode_what_plain_decoding_does(tiny_model, prompts, temperature):
     """Greedy and coupled sampling: the same tokens and log-probs as plain decoding, with drafts
@@ -51,9 +67,7 @@ def test_history_drafts_decode_what_plain_decoding_does(tiny_model, prompts, tem
     store = HistoryStore()
     out, engine = _generate_with(tiny_model, group, params, _history_speculator(store))
     assert engine.draft_faults == []
-    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
-    for a, b in zip(out, plain):
-        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    _assert_plain(out, plain)
     s = store.stats["history"]
     assert s["rows"] > 0 and s["accepted"] > 0
     if temperature == 0.0:
@@ -88,7 +102,7 @@ def test_store_keeps_bounded_memory_and_proposes_the_majority():
         request_id, prompt, tokens = 99, list(p), [5, 6]
 
     store.observe([St])
-    d = store.draft(p, 99, 2)
+    d = store.draft(99, 2)
     assert d.tokens == [7, 9]  # two of the three kept answers continue 7, 9; the third goes 4
     assert d.expected == pytest.approx(2 / 3 + 2 / 3)
     for k in ((3,), (4,)):
@@ -105,20 +119,15 @@ def test_history_config_refuses_nonsense():
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_hybrid_of_two_branches_decodes_what_plain_decoding_does(offline_draft, sft_policy, temperature):
-    """The default hybrid ("tree"): each row's history chain and EAGLE-3 chain verified as two
-    branches of one tree. Plain decoding's tokens and log-probs, and at least the EAGLE-3 chain's
+    """The tree hybrid (HistoryConfig.hybrid="tree"): each row's history chain and EAGLE-3 chain
+    verified as two branches of one tree. Plain decoding's tokens and log-probs, and at least the EAGLE-3 chain's
     acceptance alone (the tree holds that chain, so the longer accepted branch can only add)."""
-    tokenizer, task, policy, _ = sft_policy
-    exs = task.examples("train", 4, 3)
-    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
-    params = SamplingParams(temperature=temperature, max_new_tokens=48, stop_token_ids=(tokenizer.eos_id,), seed=2)
+    policy, group, params = _sft_groups(sft_policy, 4, 3, 48, temperature=temperature)
     plain, _ = _generate_with(policy, group, params, batch=8)
     store = HistoryStore(HistoryConfig(hybrid="tree"))
     out, engine = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), batch=8)
     assert engine.draft_faults == []
-    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
-    for a, b in zip(out, plain):
-        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    _assert_plain(out, plain)
     alone, _ = _generate_with(policy, group, params, Speculator(offline_draft, SpecConfig("chain", 3)), batch=8)
     tree, eagle = (summarize_spec_stats(t.spec for t in x)["accept_length"] for x in (out, alone))
     assert set(store.stats) == {"tree"} and tree >= 0.95 * eagle, (tree, eagle)
@@ -127,14 +136,11 @@ def test_hybrid_of_two_branches_decodes_what_plain_decoding_does(offline_draft, 
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_hybrid_by_rows_decodes_what_plain_decoding_does(tiny_model, prompts, offline_draft, sft_policy, temperature):
+def test_hybrid_by_rows_decodes_what_plain_decoding_does(offline_draft, sft_policy, temperature):
     """Hybrid of the EAGLE-3 chain and history drafts on the SFT policy: plain decoding's tokens and
     log-probs; both sources draft rows; the EAGLE-3 head drafts all rows, some (the others'
     pending features grow) or, in greedy steps where every row takes the history draft, none."""
-    tokenizer, task, policy, _ = sft_policy
-    exs = task.examples("train", 4, 3)
-    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
-    params = SamplingParams(temperature=temperature, max_new_tokens=48, stop_token_ids=(tokenizer.eos_id,), seed=2)
+    policy, group, params = _sft_groups(sft_policy, 4, 3, 48, temperature=temperature)
     plain, _ = _generate_with(policy, group, params, batch=8)
     store = HistoryStore(HistoryConfig(hybrid="rows"))
     fed = []  # per step: rows the EAGLE-3 head drafted, of all rows
@@ -156,9 +162,7 @@ def test_hybrid_by_rows_decodes_what_plain_decoding_does(tiny_model, prompts, of
     finally:
         HybridProposer.propose = orig
     assert engine.draft_faults == []
-    assert [t.token_ids for t in out] == [t.token_ids for t in plain]
-    for a, b in zip(out, plain):
-        assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    _assert_plain(out, plain)
     assert set(store.stats) == {"history", "eagle3"}, store.stats
     assert any(n == b for n, b in fed)  # steps the head drafted for every row,
     assert any(0 < n < b for n, b in fed)  # for some rows only (the others' features wait),
@@ -172,14 +176,11 @@ def test_hybrid_by_rows_decodes_what_plain_decoding_does(tiny_model, prompts, of
     assert m["rollout/eagle3_alpha"] > 0.8 * alpha_alone, (m, alpha_alone)
 
 
-def test_hybrid_in_rng_mode_keeps_the_law_of_plain_sampling(tiny_model, prompts, offline_draft, sft_policy):
+def test_hybrid_in_rng_mode_keeps_the_law_of_plain_sampling(offline_draft, sft_policy):
     """Rejection sampling with rows of both sources in one chain: a point mass for history rows
     beside EAGLE-3's q. top_k=1 puts all the target's mass on one token: the rollout is plain
     decoding's whatever the draft (a law check with power is the next test)."""
-    tokenizer, task, policy, _ = sft_policy
-    exs = task.examples("train", 3, 4)
-    group = [[tokenizer.bos_id] + tokenizer.encode(e.prompt) for e in exs for _ in range(6)]
-    params = SamplingParams(temperature=1.0, top_k=1, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=2)
+    policy, group, params = _sft_groups(sft_policy, 3, 4, 40, temperature=1.0, top_k=1)
     plain, _ = _generate_with(policy, group, params, sampling_mode="rng", batch=8)
     store = HistoryStore()
     out, _ = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), sampling_mode="rng",

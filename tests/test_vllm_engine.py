@@ -222,6 +222,22 @@ def _exact_third_token_law(policy, prompt, temperature):
     return (p1[:, None] * p2).reshape(-1) @ p3  # (V,)
 
 
+def _third_token_fit(policy, prompt, trajs, label: str) -> tuple[float, float]:
+    """(chi-square p-value of the third tokens against the exact law, the share of requests whose
+    third token a verify step decided past its first decision), printed under `label`."""
+    from helpers import chi2_pvalue
+
+    law = _exact_third_token_law(policy, prompt, 1.0)
+    counts = torch.bincount(torch.tensor([t.token_ids[2] for t in trajs]), minlength=law.numel())
+    stat, df, p = chi2_pvalue(counts, law)
+    # x1 comes from the prefill; one verify step for x2 and x3 means x2 was an accepted draft
+    steps = Counter(t.spec.verify_steps for t in trajs)
+    past_first = steps[1] / len(trajs)
+    print(f"{label}third token: chi2 {stat:.1f} df {df} p {p:.3f}; verify steps per request {dict(steps)}; "
+          f"decided past the first decision: {past_first:.3f}")
+    return p, past_first
+
+
 def test_sampled_speculation_follows_the_exact_law_past_the_first_decision(setup, spec):
     """The third generated token. Where the second was an accepted draft, the first verify step
     decides the third too, one position deeper: an accepted draft after an accepted prefix, or
@@ -229,19 +245,10 @@ def test_sampled_speculation_follows_the_exact_law_past_the_first_decision(setup
     the exact marginal (chi-square, alpha = 1e-3), with at least 20% of the requests decided
     past the first decision. (The law computation is the second-token test's, one token on: the
     embedded engine's plain rng sampling fits it, `test_the_third_token_law_is_right`.)"""
-    from helpers import chi2_pvalue
-
-    policy, prompt, T, N = setup[2], _prompts(setup, 1, seed=99)[0], 1.0, N_THIRD
-    law = _exact_third_token_law(policy, prompt, T)
-    trajs = _run(spec, [prompt] * N, SamplingParams(temperature=T, max_new_tokens=3, seed=6), 16 * 8)
+    policy, prompt, N = setup[2], _prompts(setup, 1, seed=99)[0], N_THIRD
+    trajs = _run(spec, [prompt] * N, SamplingParams(temperature=1.0, max_new_tokens=3, seed=6), 16 * 8)
     assert all(len(t.token_ids) == 3 for t in trajs)
-    counts = torch.bincount(torch.tensor([t.token_ids[2] for t in trajs]), minlength=law.numel())
-    stat, df, p = chi2_pvalue(counts, law)
-    # x1 comes from the prefill; one verify step for x2 and x3 means x2 was an accepted draft
-    steps = Counter(t.spec.verify_steps for t in trajs)
-    past_first = steps[1] / N
-    print(f"third token: chi2 {stat:.1f} df {df} p {p:.3f}; verify steps per request {dict(steps)}; "
-          f"decided past the first decision: {past_first:.3f}")
+    p, past_first = _third_token_fit(policy, prompt, trajs, "")
     assert past_first > 0.2
     assert p > 1e-3
 
@@ -669,22 +676,15 @@ def test_history_drafts_follow_the_exact_law_in_vllm(setup):
     (chi-square, alpha = 1e-3; the power of this test against a 15% mixture is simulated in
     test_power_of_the_law_test), with at least 20% of the requests decided past the first
     verify decision."""
-    from helpers import chi2_pvalue
     from rollout.history import HistoryConfig
 
-    policy, prompt, T, N = setup[2], _prompts(setup, 1, seed=99)[0], 1.0, N_THIRD
-    law = _exact_third_token_law(policy, prompt, T)
+    policy, prompt, N = setup[2], _prompts(setup, 1, seed=99)[0], N_THIRD
     engine = VLLMEngine(policy, VLLMEngineConfig(max_batch=16))
     try:
         engine.install_history(HistoryConfig(), SpecConfig(gamma=2))
-        trajs = _run(engine, [prompt] * N, SamplingParams(temperature=T, max_new_tokens=3, seed=6), 16 * 8)
+        trajs = _run(engine, [prompt] * N, SamplingParams(temperature=1.0, max_new_tokens=3, seed=6), 16 * 8)
     finally:
         engine.shutdown()
-    counts = torch.bincount(torch.tensor([t.token_ids[2] for t in trajs]), minlength=law.numel())
-    stat, df, p = chi2_pvalue(counts, law)
-    steps = Counter(t.spec.verify_steps for t in trajs)
-    past_first = steps[1] / N
-    print(f"history drafts on vLLM, third token: chi2 {stat:.1f} df {df} p {p:.3f}; verify steps per request "
-          f"{dict(steps)}; decided past the first decision: {past_first:.3f}")
+    p, past_first = _third_token_fit(policy, prompt, trajs, "history drafts on vLLM, ")
     assert past_first > 0.2
     assert p > 1e-3
