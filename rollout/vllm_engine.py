@@ -1,6 +1,7 @@
 """vLLM as a specrl rollout engine: an in-process `vllm.LLM` behind the rollout protocol.
 
-What runs where. The policy (specrl's MoE) is written once as a local HF Qwen3-MoE folder
+What runs where. The policy (specrl's MoE) is written once as a local HF Qwen3-MoE folder, or
+a Llama folder for a dense model without QK-norm such as the real SmolLM2 target
 (target_training.hf_adapter.save_hf_folder: no download, no tokenizer: prompts go in as token
 ids) and the EAGLE-3 draft as the folder SGLang and vLLM both load (draft_models.checkpoint).
 vLLM spawns its engine core and worker processes; everything later reaches the worker through
@@ -63,7 +64,8 @@ SAMPLED_SPEC_WARNING = ("this vLLM's CPU rejection sampler scales the verify log
 @dataclass
 class VLLMEngineConfig:
     max_batch: int = 64  # vLLM max_num_seqs
-    max_len: int | None = None  # max_model_len; defaults to the policy's max_seq_len
+    max_len: int | None = None  # max_model_len; defaults to the policy's max_seq_len (size it to the work:
+    # one sequence of max_len tokens must fit kv_cache_bytes, check_kv_room)
     kv_cache_bytes: int = 128 << 20  # KV cache size (on CPU: host memory)
     dtype: str = "float32"  # float32 keeps vLLM's numbers comparable to the trainer's
     enforce_eager: bool = True
@@ -123,6 +125,41 @@ def check_servable(policy_cfg, draft=None) -> None:
     if draft.cfg.draft_vocab_size == draft.cfg.vocab_size and not has_identity_vocab(draft):
         raise VLLMEngineError("draft vocabulary has the target's size but a reordered d2t; vLLM only maps "
                               "a draft vocabulary smaller than the target's")
+
+
+# vLLM's KV block on CPU (vllm.platforms.cpu): a sequence holds whole blocks of this many tokens
+CPU_KV_BLOCK = 128
+
+
+def kv_bytes_per_token(policy_cfg, dtype: str = "float32", draft=None) -> int:
+    """Bytes of KV cache one token takes in vLLM: K and V of every policy layer, and of the
+    EAGLE-3 draft's one layer when it speculates."""
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    per_layer = [(policy_cfg.num_kv_heads, policy_cfg.head_dim)] * policy_cfg.num_layers
+    if draft is not None:
+        per_layer.append((draft.cfg.num_kv_heads, draft.cfg.head_dim))
+    return sum(2 * heads * hd * elem for heads, hd in per_layer)
+
+
+def kv_cache_bytes_for(policy_cfg, max_len: int, n_seqs: int, dtype: str = "float32", draft=None) -> int:
+    """A VLLMEngineConfig.kv_cache_bytes that holds `n_seqs` sequences of `max_len` tokens at
+    once (whole CPU blocks, one spare each), so a batch of that size never waits for KV room."""
+    blocks = -(-max_len // CPU_KV_BLOCK) + 1
+    return kv_bytes_per_token(policy_cfg, dtype, draft) * blocks * CPU_KV_BLOCK * n_seqs
+
+
+def check_kv_room(policy_cfg, config: VLLMEngineConfig, draft=None) -> None:
+    """Refuse, in one line, a context window whose KV cache for one sequence exceeds
+    kv_cache_bytes: vLLM refuses it only once its engine has loaded the model, with a traceback
+    (a real model's own context, e.g. SmolLM2's 8192 tokens, does not fit the default 128 MiB)."""
+    max_len = config.max_len or policy_cfg.max_seq_len
+    need = kv_bytes_per_token(policy_cfg, config.dtype, draft) * max_len
+    if need > config.kv_cache_bytes:
+        what = ("VLLMEngineConfig.max_len" if config.max_len
+                else "the policy's max_seq_len, VLLMEngineConfig.max_len being unset")
+        raise VLLMEngineError(f"one sequence of {max_len} tokens ({what}) needs {need / 2**20:.0f} MiB of KV cache, "
+                              f"more than VLLMEngineConfig.kv_cache_bytes ({config.kv_cache_bytes / 2**20:.0f} MiB): "
+                              f"set max_len to the work (prompt + new tokens) or raise kv_cache_bytes")
 
 
 def _pack(tensors: dict[str, torch.Tensor]) -> bytes:
@@ -397,6 +434,7 @@ class VLLMEngine:
         self.cfg = policy.cfg
         self.max_len = self.config.max_len or self.cfg.max_seq_len
         check_servable(self.cfg, draft)
+        check_kv_room(self.cfg, self.config, draft)
         self._tmp = None
         if self.config.work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="specrl-vllm-")
@@ -586,6 +624,7 @@ class VLLMEngine:
         if controller is not None:
             raise VLLMEngineError("adaptive speculation (a SpeculationController) is not supported on vLLM")
         check_servable(self.cfg, draft)
+        check_kv_room(self.cfg, self.config, draft)
         self.draft, self.spec, self.history, self.version = copy.deepcopy(draft).eval(), spec, None, 0
         self.shutdown()  # the next call starts vLLM with speculation
 

@@ -38,7 +38,8 @@ COMMANDS = {
 }
 DRIFT_PRESETS = "experiments.drift:DRIFT_PRESETS"
 
-TASK_HELP = ("a built-in task (arith, sort) or a local task file: .jsonl (one JSON object per line) or .parquet, "
+REAL_PRESET = "real"  # the preset family of the real model (specrl.presets, experiments.drift)
+TASK_HELP = ("a built-in task (arith, sort; word and champ: worked problems for a real model) or a local task file: .jsonl (one JSON object per line) or .parquet, "
              "with string fields 'prompt' and 'answer' (exact-match reward on the text after the last 'ans ', "
              "else the whole completion) and an optional 'split' ('train', or one of heldout/test/eval/validation/"
              "valid/val; without it a stable hash of the prompt holds out 1 prompt in 8)")
@@ -146,12 +147,33 @@ _arm_list.bounds = "comma-separated"
 
 
 def _add_common(p: argparse.ArgumentParser, presets, default: str = "quick") -> None:
-    p.add_argument("--preset", default=default, choices=list(presets), help="run preset")
+    p.add_argument("--preset", default=None, choices=list(presets),
+                   help=f"run preset (default: {default}, or {REAL_PRESET} with --model)")
+    p.add_argument("--model", default=None, metavar="NAME",
+                   help=f"a real pretrained model instead of a toy MoE trained here: smollm2-135m (the .[real] extra; "
+                        f"selects the preset {REAL_PRESET}, whose task is word)")
     p.add_argument("--out", required=True, type=Path, help="output folder")
     p.add_argument("--seed", type=_seed, default=0, help="random seed")
     p.add_argument("--cache-dir", type=Path, default=None,
                    help="where SFT warm starts and offline drafts are cached (default ~/.cache/specrl or $SPECRL_CACHE)")
-    p.add_argument("--task", default="arith", help=TASK_HELP)
+    p.add_argument("--task", default=None, help=TASK_HELP + " (default: the preset's, arith for the toy presets)")
+    p.set_defaults(default_preset=default)
+
+
+def _resolve_preset(args: argparse.Namespace, key: str) -> None:
+    """--preset and --task from --model where they are not given; a real model with another
+    model's preset is refused."""
+    from specrl.presets import get_preset
+    from target_training.real_models import real_model
+
+    if args.model is not None:
+        real_model(args.model)  # an unknown name fails before anything is loaded
+    args.preset = args.preset or (REAL_PRESET if args.model else args.default_preset)
+    preset = resolve(DRIFT_PRESETS)[args.preset].rl if key.startswith("drift") else get_preset(args.preset)
+    if args.model is not None and preset.model != args.model:
+        raise ValueError(f"--model {args.model} runs with a preset of that model ({REAL_PRESET}); "
+                         f"--preset {args.preset} is the toy model {preset.model!r}")
+    args.task = args.task or preset.task
 
 
 def _engine_options(args) -> dict:
@@ -285,6 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--draft-steps", type=_int_in(1, 1_000_000), default=None, help="(--eagle3) offline draft training steps")
     q.add_argument("--gamma", type=_int_in(1, MAX_SPEC_DEPTH), default=4, help="(--eagle3) chain length")
     q.add_argument("--dtypes", type=_arm_list, default="fp32,bf16", help="embedded engine dtypes: fp32, bf16")
+    q.add_argument("--engine", default="embedded", choices=["embedded", "vllm"],
+                   help="vllm: also vLLM in fp32, plain and (--eagle3) EAGLE-3 with the same draft")
     r = bsub.add_parser("rl", help="the whole RL step with speculation off, frozen and online, arms taking turns "
                                    "in segments of steps; split into rollout, update, co-training and the rest", **kw)
     _add_common(r, rl)
@@ -334,6 +358,8 @@ def command_key(args: argparse.Namespace) -> str:
 def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
     """The positional and keyword arguments of the command's function."""
     key = command_key(args)
+    if hasattr(args, "default_preset"):
+        _resolve_preset(args, key)
     if key == "bench real":
         from target_training.real_models import real_model
 
@@ -346,7 +372,7 @@ def _call(args: argparse.Namespace) -> tuple[tuple, dict]:
         return (args.model, args.out), {"batches": args.batches, "max_new_tokens": args.max_new_tokens,
                                         "repeats": args.repeats, "hf": not args.no_hf, "cache_dir": args.cache_dir,
                                         "eagle3": args.eagle3, "draft_steps": args.draft_steps, "gamma": args.gamma,
-                                        "dtypes": tuple(args.dtypes)}
+                                        "dtypes": tuple(args.dtypes), "engine": args.engine}
     common = {"seed": args.seed, "cache_dir": args.cache_dir}
     if key == "train-rl":
         if args.drafter != "eagle3" and args.spec == "off":

@@ -110,16 +110,19 @@ def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache
 
 def train_draft_command(task_name: str, preset_name: str, out_dir, *, policy_path=None, seed: int = 0,
                         cache_dir=None) -> dict:
-    """`specrl train-draft`: offline draft for a policy, saved in the SGLang EAGLE-3 layout."""
+    """`specrl train-draft`: offline draft for a policy (trained, or taken from the draft cache),
+    saved in the SGLang EAGLE-3 layout, which vLLM also loads."""
     preset = get_preset(preset_name)
     out = Path(out_dir) / "draft"
     if out.exists():
         raise ValueError(f"{out} already exists; choose another --out")
-    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, Path(cache_dir or default_cache_dir()))
+    cache_dir = Path(cache_dir or default_cache_dir())
+    tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir)
     if policy_path is not None:
         policy, _, _, _ = load_checkpoint(policy_path, policy.cfg)
         policy.eval()
     prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
-    draft, info = train_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,))
+    # the cache is keyed by the policy's weights and the settings: a train-rl run's starting draft is reused
+    draft, info = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir)
     save_draft(draft, out)
     return {"draft": str(out), "draft_vocab_size": int(draft.d2t.numel()), **info}

@@ -51,7 +51,7 @@ def priced(cotrain: CoTrainConfig, share: float | None = SAVING_SHARE) -> CoTrai
 
 @dataclass
 class RunPreset:
-    model: str  # a key of target_training.config.PRESETS
+    model: str  # a key of target_training.config.PRESETS, or a real model (target_training.real_models)
     sft: SFTConfig
     grpo: GRPOConfig
     rl_steps: int
@@ -66,6 +66,8 @@ class RunPreset:
     prompt_pool: int = 0  # training prompts the steps sample from (0: max(512, 8 x prompts_per_step)); a small
     #                       pool revisits prompts sooner, as epochs over a small dataset do
     task_kwargs: dict = field(default_factory=dict)
+    task: str = "arith"  # the task a run takes when the command line names none
+    context: int = 0  # a real model's tokens of prompt + answer (its KV cache and positions); 0: the model's own
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     # speculation and online draft training for --spec frozen|online (mode and seed are set per run)
     cotrain: CoTrainConfig = field(default_factory=lambda: CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4))))
@@ -146,6 +148,12 @@ def acceptance_cotrain(most_per_step: int) -> CoTrainConfig:
                              rule="acceptance", base_steps=1, tolerance=0.05)))
 
 
+# The real model's offline EAGLE-3 draft: 256 sampled answers (temperature 0.7, up to 96 tokens) to its task's
+# problems, a draft vocabulary of the 2048 tokens most frequent in them, TTT of 4 steps. Sized for the
+# 2-core CPU: with 8192 draft tokens and batches of 16, one training step took several seconds.
+REAL_DRAFT = DraftTrainConfig(n_sequences=256, steps=300, lr=3e-3, batch_size=8, draft_vocab_size=2048, ttt_steps=4,
+                              temperature=0.7, max_new_tokens=96)
+
 # Draft updates per RL step with --spec online: ci 2, full 1 (fixed counts), quick 0-2 (acceptance_cotrain),
 # drift 0-10 (DRIFT_COTRAIN).
 DRAFT_UPDATES_PER_STEP = {"ci": 2, "quick": 2, "full": 1, "drift": 1}
@@ -189,6 +197,16 @@ RL_PRESETS: dict[str, RunPreset] = {
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
                        draft=DraftTrainConfig(steps=2400, lr=2e-3),
                        cotrain=priced(CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6))))),
+    # A real pretrained model (SmolLM2-135M-Instruct, target_training/real_models.py; no SFT warm start: it
+    # is an instruction model already) on multi-step word problems (target_training.tasks.WordTask) in its
+    # chat template, answers of up to 256 tokens with a long tail (sampled at temperature 0.7: at 1.0 this small
+    # model rambles, half its answers reach the cap and none is right). 8 prompts x 4 samples per step, policy
+    # updates in minibatches of 8 sequences (a 135M model's logits over 49152 tokens are 0.6 GB per 8
+    # sequences of 384 tokens). The starting draft is REAL_DRAFT, trained on the model's own answers.
+    "real": RunPreset(model="smollm2-135m", task="word", context=448, sft=SFTConfig(),
+                      grpo=GRPOConfig(lr=2e-6, minibatch_size=8, temperature=0.7), rl_steps=20, prompts_per_step=8,
+                      group_size=4, max_new_tokens=256, temperature=0.7, eval_prompts=16, eval_samples=1, checkpoint_every=10, max_batch=32,
+                      draft=REAL_DRAFT, cotrain=priced(acceptance_cotrain(DRAFT_UPDATES_PER_STEP["quick"]))),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
                       max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64,

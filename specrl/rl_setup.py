@@ -14,6 +14,7 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from specrl.presets import RunPreset
 from target_training.config import model_config_for
+from target_training.real_models import ChatTokenizer, is_real_model, load_real_target
 from target_training.sft import warm_start
 from target_training.tasks import get_task
 from target_training.tokenizer import CharTokenizer
@@ -29,9 +30,13 @@ def check_seed(seed) -> None:
 
 
 def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print, progress=False):
-    """(tokenizer, task, policy, sft_info): the task and its policy after the (cached) SFT warm start."""
-    tokenizer = CharTokenizer()
+    """(tokenizer, task, policy, sft_info): the task and its policy after the (cached) SFT warm start,
+    or a real pretrained model (target_training.real_models) as it ships, with its chat tokenizer."""
     task = get_task(task_name, **preset.task_kwargs)
+    if is_real_model(preset.model):
+        policy, hf_tokenizer = load_real_target(preset.model, cache_dir, max_seq_len=preset.context or None, log=log)
+        return ChatTokenizer(hf_tokenizer), task, policy, {"real_model": preset.model}
+    tokenizer = CharTokenizer()
     model_cfg = model_config_for(preset.model, tokenizer.vocab_size)
     task_spec = {"name": task_name, **preset.task_kwargs}
     policy, sft_info = warm_start(task, task_spec, tokenizer, model_cfg, preset.sft, cache_dir, log=log,
@@ -66,7 +71,7 @@ def sync_policy(engine, policy) -> float | None:
 
 
 def encode_prompts(tokenizer, examples) -> list[list[int]]:
-    return [[tokenizer.bos_id] + tokenizer.encode(ex.prompt) for ex in examples]
+    return [tokenizer.encode_prompt(ex.prompt) for ex in examples]
 
 
 def rollout_params(preset: RunPreset, tokenizer, seed: int, greedy: bool = False) -> SamplingParams:

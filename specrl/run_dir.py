@@ -24,6 +24,7 @@ import torch
 from specrl.presets import RunPreset
 from target_training.checkpoint import load_checkpoint, recover_dir, save_checkpoint
 from target_training.config import model_config_for
+from target_training.real_models import is_real_model
 from target_training.tokenizer import CharTokenizer
 
 RUN_FILE = "run.json"
@@ -93,7 +94,8 @@ def run_identity(task_name: str, preset: RunPreset, preset_name: str, seed: int,
     tokenizer = CharTokenizer()
     settings = json.dumps(dataclasses.asdict(dataclasses.replace(preset, rl_steps=1)), sort_keys=True, default=str)
     return {"task": task_name, "seed": seed, "preset": preset_name, "spec": spec,
-            "model": model_config_for(preset.model, tokenizer.vocab_size).to_dict(),
+            "model": ({"real_model": preset.model, "context": preset.context} if is_real_model(preset.model)
+                      else model_config_for(preset.model, tokenizer.vocab_size).to_dict()),
             "preset_sha256": hashlib.sha256(settings.encode()).hexdigest()[:16]}
 
 

@@ -105,6 +105,7 @@ def rl_step(run: RLRun, step: int) -> dict:
                               - row.get("perf/draft_train_interleaved_s", 0.0))
     if "full_batch_s" in gen:
         parts["perf/rollout_full_s"], parts["perf/rollout_tail_s"] = gen["full_batch_s"], gen["tail_s"]
+    parts["rollout/response_lens"] = [len(t.token_ids) for t in trajs]
     if "spec_steps" in gen:
         parts["rollout/engine_steps"], parts["rollout/spec_steps"] = gen["engine_steps"], gen["spec_steps"]
     row.update(parts)

@@ -264,11 +264,15 @@ def config_mismatch(saved: dict, expected: dict) -> str | None:
     return "; ".join(diffs) if diffs else None
 
 
+TIED_HEAD = "lm_head.weight"  # the output matrix, the embedding's own when cfg.tie_embeddings
+
+
 def save_checkpoint(out_dir, model: torch.nn.Module, config: MoEConfig, *, optimizer=None,
                     state: dict | None = None, extra_json: dict | None = None) -> Path:
     def write(tmp: Path) -> None:
         (tmp / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+                   if not (config.tie_embeddings and k == TIED_HEAD)}  # one copy of a tied matrix (safetensors)
         save_file(tensors, str(tmp / "model.safetensors"))
         if optimizer is not None:
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -303,6 +307,8 @@ def load_checkpoint(path, expected: MoEConfig | None = None, *, map_location="cp
         missing, unexpected = model.load_state_dict(tensors, strict=False)
     except Exception as e:  # safetensors raises several types for bad headers
         raise CheckpointError(f"checkpoint weights {path / 'model.safetensors'} cannot be read: {e}") from None
+    if cfg.tie_embeddings:
+        missing = [k for k in missing if k != TIED_HEAD]
     if missing or unexpected:
         raise CheckpointError(f"checkpoint {path} weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
     opt = torch.load(path / "optimizer.pt", map_location=map_location, weights_only=True) if (path / "optimizer.pt").exists() else None

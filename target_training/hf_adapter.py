@@ -230,42 +230,55 @@ def to_hf_disk_state_dict(model_or_state_dict, cfg: MoEConfig | None = None) -> 
 
 
 def hf_config_from_moe(cfg: MoEConfig, *, dtype: str = "float32"):
-    """The HF Qwen3-MoE config that computes what a MoETransformer of `cfg` computes, so the
-    policy can be served by an engine that loads HF folders (no download, nothing approximated).
+    """The HF config that computes what a MoETransformer of `cfg` computes, so the policy can be
+    served by an engine that loads HF folders (no download, nothing approximated).
 
-    Qwen3-MoE is specrl's own design (QK-norm, top-k router with renormalisation, dense layers
-    by `mlp_only_layers`); options it cannot express (shared experts, an o_proj bias without q/k/v
-    biases, no QK-norm) are refused with HFAdapterError."""
-    from transformers import Qwen3MoeConfig
+    A model with QK-norm exports as Qwen3-MoE, specrl's own design (QK-norm, top-k router with
+    renormalisation, dense layers by `mlp_only_layers`); a model without QK-norm whose layers are
+    all dense (one converted from Llama, e.g. the real SmolLM2 target) as Llama. Options neither
+    expresses (shared experts, experts without QK-norm, an o_proj bias without q/k/v biases or
+    the reverse) are refused with HFAdapterError."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
-    if not cfg.qk_norm:
-        raise HFAdapterError("only models with QK-norm export as Qwen3-MoE (qk_norm=False)")
-    if cfg.shared_expert_intermediate_size:
-        raise HFAdapterError("a shared expert does not export as Qwen3-MoE")
-    if cfg.attention_bias != cfg.attention_out_bias:
-        raise HFAdapterError("Qwen3-MoE has one attention_bias for q/k/v and o_proj; the model differs")
     dense = sorted(i for i in range(cfg.num_layers) if cfg.is_dense_layer(i))
-    hf = Qwen3MoeConfig(
+    if not cfg.qk_norm and len(dense) < cfg.num_layers:
+        raise HFAdapterError("only models with QK-norm export with MoE layers, as Qwen3-MoE (qk_norm=False); "
+                             "a model without QK-norm exports as Llama when every layer is dense")
+    if cfg.attention_bias != cfg.attention_out_bias:
+        raise HFAdapterError("Qwen3-MoE and Llama have one attention_bias for q/k/v and o_proj; the model differs")
+    common = dict(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.dense_intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.rms_eps,
         rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.attention_bias,
-        num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, moe_intermediate_size=cfg.expert_intermediate_size,
-        norm_topk_prob=cfg.norm_topk_prob, mlp_only_layers=dense, decoder_sparse_step=1,
-        router_aux_loss_coef=cfg.router_aux_loss_coef, architectures=["Qwen3MoeForCausalLM"], dtype=dtype)
+        tie_word_embeddings=cfg.tie_embeddings, attention_bias=cfg.attention_bias, dtype=dtype)
+    if cfg.qk_norm:
+        if cfg.shared_expert_intermediate_size:
+            raise HFAdapterError("a shared expert does not export as Qwen3-MoE")
+        hf = Qwen3MoeConfig(
+            **common, num_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
+            moe_intermediate_size=cfg.expert_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
+            mlp_only_layers=dense, decoder_sparse_step=1, router_aux_loss_coef=cfg.router_aux_loss_coef,
+            architectures=["Qwen3MoeForCausalLM"])
+    else:
+        hf = LlamaConfig(**common, hidden_act="silu", mlp_bias=False, architectures=["LlamaForCausalLM"])
     back = moe_config_from_hf(hf, max_seq_len=cfg.max_seq_len)
     if _canonical(back) != _canonical(cfg):
-        raise HFAdapterError("the model does not round-trip through a Qwen3-MoE config")
+        raise HFAdapterError(f"the model does not round-trip through a {hf.model_type} config")
     return hf
 
 
 def _canonical(cfg: MoEConfig) -> dict:
-    """Config fields that change what the model computes (the dense-layer placement normalised)."""
+    """Config fields that change what the model computes (the dense-layer placement normalised;
+    a model whose layers are all dense builds no router or expert, so their fields are left out)."""
     d = dataclasses.asdict(cfg)
     d["dense_layers"] = sorted(i for i in range(cfg.num_layers) if cfg.is_dense_layer(i))
     for k in ("dense_first_layer", "aux_layer_ids", "router_aux_loss_coef"):
         d.pop(k)
+    if len(d["dense_layers"]) == cfg.num_layers:
+        for k in ("num_experts", "top_k", "expert_intermediate_size", "norm_topk_prob",
+                  "shared_expert_intermediate_size"):
+            d.pop(k)
     return d
 
 
@@ -280,7 +293,8 @@ def hf_disk_tensors(model: MoETransformer, dtype: torch.dtype) -> dict[str, torc
 
 
 def save_hf_folder(model: MoETransformer, out_dir, *, dtype: torch.dtype | None = None) -> Path:
-    """Write `model` as a local HF Qwen3-MoE folder (config.json + model.safetensors, on-disk names)."""
+    """Write `model` as a local HF folder (config.json + model.safetensors, on-disk names): Qwen3-MoE,
+    or Llama for a dense model without QK-norm (hf_config_from_moe)."""
     from safetensors.torch import save_file
 
     dtype = dtype or model.embed_tokens.weight.dtype

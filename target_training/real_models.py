@@ -148,3 +148,36 @@ def load_real_target(name: str, cache_dir=None, *, dtype: torch.dtype | None = N
     hf_model, tokenizer = convert(name)
     model, _ = load_hf_target(hf_model, dtype=dtype, max_seq_len=max_seq_len, device=device)
     return model, tokenizer
+
+
+def is_real_model(name: str) -> bool:
+    return name in REAL_MODELS
+
+
+class ChatTokenizer:
+    """A real model's HF tokenizer behind specrl's tokenizer interface (target_training.tokenizer):
+    a task prompt becomes the user turn of the model's own chat template, with the assistant's
+    turn opened; the end of sequence is the template's end of turn (`<|im_end|>` for SmolLM2)."""
+
+    kind = "chat"
+
+    def __init__(self, hf_tokenizer):
+        self.hf = hf_tokenizer
+        self.vocab_size = len(hf_tokenizer)
+        self.eos_id = hf_tokenizer.eos_token_id
+        self.bos_id = hf_tokenizer.bos_token_id if hf_tokenizer.bos_token_id is not None else self.eos_id
+        self.pad_id = hf_tokenizer.pad_token_id if hf_tokenizer.pad_token_id is not None else self.eos_id
+
+    def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self.hf.encode(text, add_special_tokens=False)
+        return ([self.bos_id] if add_bos else []) + list(ids) + ([self.eos_id] if add_eos else [])
+
+    def encode_prompt(self, text: str) -> list[int]:
+        out = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def decode(self, ids, skip_special: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)
+
+    def __repr__(self) -> str:
+        return f"ChatTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"

@@ -43,7 +43,7 @@ def default_cache_dir() -> Path:
 
 def encode_example(tokenizer, prompt: str, completion: str) -> tuple[list[int], list[int]]:
     """(ids, loss_mask): bos + prompt + completion + eos, loss on completion and eos only."""
-    p = [tokenizer.bos_id] + tokenizer.encode(prompt)
+    p = tokenizer.encode_prompt(prompt)
     c = tokenizer.encode(completion) + [tokenizer.eos_id]
     return p + c, [0] * len(p) + [1] * len(c)
 

@@ -398,8 +398,153 @@ class JsonlTask(Task):
         return text.strip() or None
 
 
+# --- worked problems for a real model ---------------------------------------------------
+ANSWER_LINE = "End with the sentence 'The answer is N.' where N is a whole number."
+_ANSWER_IS = re.compile(r"answer is\D{0,12}?(-?\d[\d,]*)", re.IGNORECASE)
+_INTEGER = re.compile(r"-?\d[\d,]*")
+
+
+def final_integer(completion: str) -> str | None:
+    """The final answer of a worked solution: the number after the last "answer is", else the
+    last number in the text (commas dropped); None when there is none."""
+    found = _ANSWER_IS.findall(completion) or _INTEGER.findall(completion)
+    if not found:
+        return None
+    value = found[-1].replace(",", "")
+    return value if re.fullmatch(r"-?\d+", value) else None
+
+
+class WorkedProblemTask(Task):
+    """Problems a pretrained chat model answers in prose. Reward: 1 when the final number
+    (`final_integer`) is the answer, plus `format_credit` when the answer is stated in the asked
+    form ("The answer is N"), so that GRPO has a signal while the model is still mostly wrong
+    (the format reward of reasoning RL)."""
+
+    def __init__(self, format_credit: float = 0.2, **kw):
+        super().__init__(**kw)
+        if not 0.0 <= format_credit <= 1.0:
+            raise TaskError(f"format_credit must lie in [0, 1], got {format_credit!r}")
+        self.format_credit = float(format_credit)
+
+    def parse_answer(self, completion: str) -> str | None:
+        return final_integer(completion)
+
+    def reward(self, example: Example, completion: str) -> float:
+        stated = _ANSWER_IS.search(completion) is not None
+        return super().reward(example, completion) + (self.format_credit if stated else 0.0)
+
+
+class WordTask(WorkedProblemTask):
+    """Multi-step arithmetic word problems in plain English, for a pretrained chat model: a
+    starting count and 2 to `max_ops` events (buying, giving away, multiplying, sharing out
+    evenly), each a step of reasoning; the reward is the verifier's check of the final number
+    (`final_integer`, with WorkedProblemTask's format credit). A real model answers them in prose
+    of tens to hundreds of tokens. The
+    reference completion (style "steps") is the worked solution, one sentence per event."""
+
+    name = "word"
+    styles = {"steps": 1.0}
+    NAMES = ("Sam", "Maria", "Lena", "Omar", "Priya", "Tom", "Aiko", "Diego")
+    ITEMS = ("apples", "books", "coins", "marbles", "pencils", "stamps", "stickers", "cookies")
+
+    def __init__(self, min_ops: int = 2, max_ops: int = 4, **kw):
+        if not 1 <= min_ops <= max_ops <= 8:
+            raise TaskError(f"word task needs 1 <= min_ops <= max_ops <= 8, got {min_ops}, {max_ops}")
+        super().__init__(**kw)
+        self.min_ops, self.max_ops = min_ops, max_ops
+
+    def sample(self, rng: random.Random) -> Example:
+        who, thing = rng.choice(self.NAMES), rng.choice(self.ITEMS)
+        value = rng.randint(5, 60)
+        story, steps = [f"{who} has {value} {thing}."], []
+        for _ in range(rng.randint(self.min_ops, self.max_ops)):
+            kind = rng.choice(("buy", "give", "times", "share") if value >= 4 else ("buy", "times"))
+            if kind == "buy":
+                n = rng.randint(2, 40)
+                story.append(f"Then {who} gets {n} more.")
+                steps.append(f"After getting {n} more: {value} + {n} = {value + n}.")
+                value += n
+            elif kind == "give":
+                n = rng.randint(1, value - 1)
+                story.append(f"Then {who} gives away {n}.")
+                steps.append(f"After giving away {n}: {value} - {n} = {value - n}.")
+                value -= n
+            elif kind == "times":
+                n = rng.randint(2, 4)
+                story.append(f"Then the number of {thing} grows to {n} times as many.")
+                steps.append(f"{n} times as many: {value} x {n} = {value * n}.")
+                value *= n
+            else:
+                parts = [d for d in range(2, 7) if value % d == 0]
+                if not parts:
+                    n = rng.randint(2, 40)
+                    story.append(f"Then {who} gets {n} more.")
+                    steps.append(f"After getting {n} more: {value} + {n} = {value + n}.")
+                    value += n
+                    continue
+                n = rng.choice(parts)
+                story.append(f"Then {who} shares them equally among {n} friends and keeps one share.")
+                steps.append(f"One of {n} equal shares: {value} / {n} = {value // n}.")
+                value //= n
+        prompt = " ".join(story) + f" How many {thing} does {who} have at the end? Solve it step by step. {ANSWER_LINE}"
+        return Example(prompt=prompt, answer=str(value), meta={"steps": steps})
+
+    def completion(self, example: Example, style: str) -> str:
+        self.check_style(style)
+        return " ".join(example.meta["steps"]) + f" The answer is {example.answer}."
+
+
+class ChampTask(WorkedProblemTask):
+    """The problems of CHAMP (Mao, Kim and Zhou 2024; the `champ-dataset` package, MIT) whose
+    answer is a whole number: 79 of its 270 competition problems, read from the installed
+    package's data file (the package is not imported). Reward as for WordTask. Hard for a small
+    model; a long-answer task."""
+
+    name = "champ"
+    styles = {"solution": 1.0}
+    PACKAGE, DISTRIBUTION, DATA = "champ_dataset", "champ-dataset", "dataset_files/v0.json"
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        import importlib.util
+
+        found = importlib.util.find_spec(self.PACKAGE)
+        if found is None or not found.submodule_search_locations:
+            raise TaskError(f"task champ needs the package {self.DISTRIBUTION}, not installed: "
+                            f"pip install --no-deps {self.DISTRIBUTION}==1.0.0")
+        path = Path(list(found.submodule_search_locations)[0]) / self.DATA
+        problems = json.loads(path.read_text())["problems"]
+        self.rows: dict[str, list[Example]] = {split: [] for split in SPLITS}
+        for key, row in sorted(problems.items()):
+            answer = row["_answer"].strip()
+            if re.fullmatch(r"-?\d+", answer):
+                steps = " ".join(step["_text"] for step in row["solution"]["steps"])
+                ex = Example(prompt=f"{row['_text']} Solve it step by step. {ANSWER_LINE}", answer=answer,
+                             meta={"id": key, "solution": steps})
+                self.rows[split_of_key(f"{self.name}|{key}")].append(ex)
+
+    def problem_key(self, example: Example) -> str:
+        return example.meta["id"]
+
+    def examples(self, split: str, n: int, seed: int) -> list[Example]:
+        """`n` problems of `split` in a seeded order, cycling through them if n is larger."""
+        _check_split_request(split, n)
+        pool = self.rows[split]
+        rng = random.Random(f"{self.name}/{split}/{seed}")
+        out: list[Example] = []
+        while len(out) < n:
+            order = list(range(len(pool)))
+            rng.shuffle(order)
+            out.extend(pool[i] for i in order[: n - len(out)])
+        return out
+
+    def completion(self, example: Example, style: str) -> str:
+        self.check_style(style)
+        return f"{example.meta['solution']} The answer is {example.answer}."
+
+
 # --- registry ---------------------------------------------------------------------
-TASKS: dict[str, type[Task]] = {"arith": ArithTask, "sort": SortTask}
+TASKS: dict[str, type[Task]] = {"arith": ArithTask, "sort": SortTask, "word": WordTask, "champ": ChampTask}
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 

@@ -10,7 +10,8 @@ Users who bring their own data may prefer BPE. `HFTokenizer` wraps a local
 `tokenizers.Tokenizer` folder behind the same small interface, and `train_bpe` builds
 one offline from a list of texts. `load_tokenizer` picks the right class from a spec.
 
-Shared interface: `vocab_size`, `pad_id`, `bos_id`, `eos_id`, `encode`, `decode`, `save`.
+Shared interface: `vocab_size`, `pad_id`, `bos_id`, `eos_id`, `encode`, `encode_prompt` (a task
+prompt as the policy reads it), `decode`, `save`.
 """
 from __future__ import annotations
 
@@ -55,6 +56,10 @@ class CharTokenizer:
         if add_eos:
             ids.append(self.eos_id)
         return ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A task prompt as the policy reads it: bos + the text."""
+        return self.encode(text, add_bos=True)
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         out = []
@@ -142,6 +147,10 @@ class HFTokenizer:
     def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if add_bos else []) + list(ids) + ([self.eos_id] if add_eos else [])
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A task prompt as the policy reads it: bos + the text."""
+        return self.encode(text, add_bos=True)
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

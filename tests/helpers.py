@@ -80,6 +80,39 @@ def tiny_hf_tokenizer(vocab_size: int = 96):
                                    eos_token="<eos>", unk_token="<unk>")
 
 
+# ---- the real pretrained target, SmolLM2-135M-Instruct (test_real_model, test_vllm_real_model)
+REAL_QUESTIONS = ["What is 17 + 25?", "Name a colour of the sky.", "Write one word: hello"]
+REAL_MAX_LEN = 128  # KV cache per slot: the model's own context (8192) would be attended over in full
+
+
+def real_target(cache_dir=None):
+    """(specrl model in fp32, HF tokenizer, chat prompts of REAL_QUESTIONS) of the real model,
+    converted from its installed GGUF file (cached under `cache_dir`, else in memory)."""
+    from target_training.real_models import load_real_target
+
+    torch.set_num_threads(2)
+    model, tok = load_real_target("smollm2-135m", cache_dir, log=lambda *a: None)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
+               for q in REAL_QUESTIONS]
+    return model, tok, prompts
+
+
+def real_drafts(model, prompts, answers) -> dict:
+    """{"random": an untrained EAGLE-3 draft, "fitted": one briefly trained on `answers` (the
+    model's own greedy tokens after `prompts`)}, both over a draft vocabulary of those tokens."""
+    from draft_models.train import capture_features, train_offline
+    from specrl.config import DraftTrainConfig
+    from specrl.drafts import new_draft
+
+    seqs = [list(p) + list(a) for p, a in zip(prompts, answers)]
+    masks = [[0] * len(p) + [1] * len(a) for p, a in zip(prompts, answers)]
+    cfg = DraftTrainConfig(draft_vocab_size=1024, ttt_steps=2)  # the draft's vocabulary: the answers' tokens
+    random_draft, fitted = new_draft(model, seqs, cfg), new_draft(model, seqs, cfg)
+    data = capture_features(model, seqs, masks, batch_size=4, d2t=fitted.d2t, feature_dtype=torch.float32)
+    train_offline(fitted, data, steps=40, lr=3e-3, batch_size=4, seed=0, ttt_steps=2, warmup=4)
+    return {"random": random_draft, "fitted": fitted}
+
+
 def fill_buffer(cot, model, n: int = 8, T: int = 16, seed: int = 0, version: int = 0) -> None:
     """Put n random sequences of length T (second half as the response) into a co-trainer's
     feature buffer, through the same path as the policy trainer's log-prob forward."""

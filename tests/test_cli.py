@@ -23,6 +23,9 @@ def _err_line(capsys):
     (["--task", "nope"], "unknown task"),
     (["--preset", "huge"], "--preset: invalid choice: 'huge'"),
     (["--steps", "0"], "--steps must be in [1, 1000000], got 0"),
+    (["--model", "gpt-5"], "unknown real model 'gpt-5'; choose from smollm2-135m"),
+    (["--model", "smollm2-135m", "--preset", "quick"],
+     "--model smollm2-135m runs with a preset of that model (real); --preset quick is the toy model 'quick'"),
 ])
 def test_bad_input_exit_2(tmp_path, cache, capsys, argv, match):
     code = main(["train-rl", "--out", str(tmp_path / "r"), "--cache-dir", str(cache), "--no-progress", *argv])
@@ -369,7 +372,7 @@ def test_help_lists_each_commands_presets_and_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "speed", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "(default: 1,4,16)" in text and "(default: quick)" in text and "'prompt' and 'answer'" in text
+    assert "(default: 1,4,16)" in text and "(default: quick, or real with --model)" in text and "'prompt' and 'answer'" in text
 
 
 def test_a_bounded_flag_names_itself_in_one_line():

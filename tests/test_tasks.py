@@ -6,11 +6,12 @@ import random
 
 import pytest
 
-from target_training.tasks import (HELDOUT_EVERY, ArithTask, Example, JsonlTask, SortTask, TaskError,
+from target_training.tasks import (HELDOUT_EVERY, final_integer, ArithTask, Example, JsonlTask, SortTask, TaskError,
                                    TASKS, get_task)
 from target_training.tokenizer import CharTokenizer
 
-BUILTIN = sorted(TASKS)
+BUILTIN = ["arith", "sort"]  # the toy tasks of the char tokenizer; the worked problems are tested below
+WORKED = ["word", "champ"]
 
 
 @pytest.fixture(params=BUILTIN)
@@ -233,7 +234,7 @@ def test_unknown_task_message():
     with pytest.raises(TaskError) as err:
         get_task("addition")
     assert isinstance(err.value, ValueError)
-    assert str(err.value).startswith("unknown task 'addition'; choose from ['arith', 'sort']")
+    assert str(err.value).startswith("unknown task 'addition'; choose from ['arith', 'champ', 'sort', 'word']")
     with pytest.raises(TaskError, match="bad arguments"):
         get_task("arith", digits=3)
 
@@ -261,3 +262,69 @@ def test_rare_weight_sets_the_sft_style_mix():
     for bad in (-0.1, 1.0):
         with pytest.raises(TaskError, match="rare_weight"):
             ArithTask(rare_weight=bad)
+
+
+# --- worked problems for a real model (word, champ) ----------------------------------
+def test_builtin_tasks_are_all_tested():
+    assert sorted(BUILTIN + WORKED) == sorted(TASKS)
+
+
+def test_final_integer_reads_the_stated_answer_else_the_last_number():
+    assert final_integer("12 + 3 = 15, then 15 x 2 = 30. The answer is 30.") == "30"
+    assert final_integer("The answer is 1,250 stamps, not 7.") == "1250"
+    assert final_integer("So the answer is: -4") == "-4"
+    assert final_integer("first 3, then 8 left") == "8"  # no stated answer: the last number
+    assert final_integer("The answer is 5. Wait, the answer is 6.") == "6"
+    assert final_integer("no number here") is None
+
+
+@pytest.mark.parametrize("name", WORKED)
+def test_worked_problems_reward_the_right_number_and_the_stated_form(name):
+    task = get_task(name)
+    for e in task.examples("train", 40, seed=3):
+        ref = task.completion(e, next(iter(task.styles)))
+        assert task.parse_answer(ref) == e.answer and task.is_correct(e, ref)
+        assert task.reward(e, ref) == pytest.approx(1.2)  # right, and stated as asked
+        wrong = str(int(e.answer) + 1)
+        assert task.reward(e, f"I think it is {e.answer}... no, The answer is {wrong}.") == pytest.approx(0.2)
+        assert task.reward(e, f"so {e.answer}") == pytest.approx(1.0)  # right but not in the asked form
+        assert task.reward(e, "I do not know.") == 0.0
+        assert "The answer is N." in e.prompt
+
+
+@pytest.mark.parametrize("name", WORKED)
+def test_worked_problem_splits_are_disjoint_and_deterministic(name):
+    task = get_task(name)
+    train = {task.problem_key(e) for e in task.examples("train", 200, seed=0)}
+    held = {task.problem_key(e) for e in task.examples("heldout", 50, seed=0)}
+    assert train and held and not train & held
+    assert [e.prompt for e in task.examples("train", 10, seed=4)] == [e.prompt for e in task.examples("train", 10, seed=4)]
+
+
+def test_word_problems_have_their_worked_steps():
+    task = get_task("word", min_ops=3, max_ops=3)
+    for e in task.examples("train", 100, seed=1):
+        assert len(e.meta["steps"]) == 3
+        # every step's equation holds and the last one's result is the answer
+        for step in e.meta["steps"]:
+            lhs, rhs = step.split(": ")[1].rstrip(".").split(" = ")
+            assert eval(lhs.replace("x", "*").replace("/", "//")) == int(rhs)
+        assert e.meta["steps"][-1].rstrip(".").endswith(f"= {e.answer}")
+    with pytest.raises(TaskError, match="min_ops"):
+        get_task("word", min_ops=3, max_ops=2)
+
+
+def test_champ_keeps_the_integer_answers_of_the_installed_dataset():
+    task = get_task("champ")
+    rows = task.rows["train"] + task.rows["heldout"]
+    assert len(rows) == 79  # of CHAMP's 270 problems, those whose answer is a whole number
+    assert all(e.answer.lstrip("-").isdigit() for e in rows)
+
+
+def test_champ_without_its_package_is_one_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "champ_dataset" else real(n, *a))
+    with pytest.raises(TaskError, match=r"task champ needs the package champ-dataset, not installed: pip install"):
+        get_task("champ")

@@ -127,6 +127,16 @@ def speed_setup(task_name: str, preset_name: str, seed: int, cache_dir, temperat
     return policy, draft, params, prompts_for
 
 
+def length_distribution(lengths, cap: int) -> dict | None:
+    """Answer lengths in tokens: quantiles, mean, and the share that reached the cap (max_new_tokens)."""
+    xs = sorted(int(x) for x in lengths)
+    if not xs:
+        return None
+    q = lambda f: xs[min(len(xs) - 1, int(f * len(xs)))]  # noqa: E731
+    return {"answers": len(xs), "min": xs[0], "p10": q(0.1), "p25": q(0.25), "median": q(0.5), "p75": q(0.75),
+            "p90": q(0.9), "max": xs[-1], "mean": sum(xs) / len(xs), "at_cap": sum(x >= cap for x in xs) / len(xs)}
+
+
 def model_summary(policy, draft) -> dict:
     return {"target_parameters": policy.num_parameters(), "target_layers": policy.cfg.num_layers,
             "draft_parameters": draft.num_parameters()}

