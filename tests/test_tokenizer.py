@@ -5,13 +5,13 @@ import json
 
 import pytest
 
-from target_training.tasks import TASKS, get_task
+from target_training.tasks import get_task
 from target_training.tokenizer import (CharTokenizer, HFTokenizer, load_tokenizer, train_bpe)
 
 
 def task_texts(n: int = 300) -> list[str]:
     texts = []
-    for name in TASKS:
+    for name in ("arith", "sort"):  # the char tokenizer's tasks (word and champ are for a real model's tokenizer)
         task = get_task(name)
         for split in ("train", "heldout"):
             for ex in task.examples(split, n, seed=3):
