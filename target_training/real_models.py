@@ -174,7 +174,7 @@ class ChatTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         out = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+        return list(out["input_ids"] if hasattr(out, "keys") else out)  # a BatchEncoding in transformers 5
 
     def decode(self, ids, skip_special: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)

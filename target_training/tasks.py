@@ -58,6 +58,17 @@ def _check_split_request(split: str, n: int) -> None:
         raise TaskError(f"number of examples must be a positive integer, got {n!r}")
 
 
+def seeded_cycle(pool: list[Example], n: int, key: str) -> list[Example]:
+    """`n` items of a fixed `pool` in an order seeded by `key`, reshuffled at each pass through it."""
+    rng = random.Random(key)
+    out: list[Example] = []
+    while len(out) < n:
+        order = list(range(len(pool)))
+        rng.shuffle(order)
+        out.extend(pool[i] for i in order[: n - len(out)])
+    return out
+
+
 class Task:
     """Base class. Subclasses define sampling, reference completions and answer parsing."""
 
@@ -379,13 +390,7 @@ class JsonlTask(Task):
         pool = self.rows[split]
         if not pool:
             raise TaskError(f"task file {str(self.path)!r} has no {split} rows")
-        rng = random.Random(f"{self.name}/{split}/{seed}")
-        out: list[Example] = []
-        while len(out) < n:
-            order = list(range(len(pool)))
-            rng.shuffle(order)
-            out.extend(pool[i] for i in order[: n - len(out)])
-        return out
+        return seeded_cycle(pool, n, f"{self.name}/{split}/{seed}")
 
     def completion(self, example: Example, style: str) -> str:
         self.check_style(style)
@@ -530,13 +535,7 @@ class ChampTask(WorkedProblemTask):
         """`n` problems of `split` in a seeded order, cycling through them if n is larger."""
         _check_split_request(split, n)
         pool = self.rows[split]
-        rng = random.Random(f"{self.name}/{split}/{seed}")
-        out: list[Example] = []
-        while len(out) < n:
-            order = list(range(len(pool)))
-            rng.shuffle(order)
-            out.extend(pool[i] for i in order[: n - len(out)])
-        return out
+        return seeded_cycle(pool, n, f"{self.name}/{split}/{seed}")
 
     def completion(self, example: Example, style: str) -> str:
         self.check_style(style)

@@ -61,7 +61,8 @@ class HFGenerate:
 
 
 def chat_prompts(tok, questions) -> list[list[int]]:
-    return [ChatTokenizer(tok).encode_prompt(q) for q in questions]
+    chat = ChatTokenizer(tok)
+    return [chat.encode_prompt(q) for q in questions]
 
 
 def real_draft(model, tok, cfg: DraftTrainConfig, cache_dir, log=print):
