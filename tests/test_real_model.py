@@ -205,3 +205,35 @@ def test_the_drift_experiment_runs_on_a_real_model(stand_in, tmp_path, monkeypat
         arms.setdefault(p["step"], set()).add(p["arm"])
     assert sorted(arms) == [0, 1, 2] and all({"plain", "frozen", "online"} <= a for a in arms.values())
     assert "reference" in arms[2] and summary["rl_steps"] == 2 and summary["tau_online_end"] > 0
+
+
+def test_bench_real_on_the_stand_in(stand_in, tmp_path, monkeypatch):
+    """`bench real --eagle3` end to end on the tiny stand-in: every arm at every batch size, HF's
+    and EAGLE-3's greedy tokens equal to the embedded engine's, and the two costs of speculating
+    (the implied step cost, the profiled draft and verify costs) present and consistent."""
+    import dataclasses
+
+    from experiments.bench import real as bench
+    from specrl.config import DraftTrainConfig
+
+    def convert(name):
+        tok = tiny_hf_tokenizer()
+        tok.chat_template = CHAT
+        return tiny_hf_model("llama"), tok
+
+    monkeypatch.setattr(real_models, "convert", convert)
+    monkeypatch.setattr(bench, "REAL_DRAFT", DraftTrainConfig(n_sequences=4, steps=2, batch_size=2,
+                                                              draft_vocab_size=32, max_new_tokens=6))
+    summary = bench.bench_real("smollm2-135m", tmp_path / "out", batches=(1, 2), dtypes=("fp32",), max_new_tokens=12,
+                               repeats=1, eagle3=True, cache_dir=tmp_path / "cache", log=lambda *a: None)
+    rows = {(r["batch"], r["arm"]): r for r in summary["rows"]}
+    assert set(rows) == {(b, a) for b in (1, 2) for a in ("embedded-fp32", "eagle3-fp32", "hf-generate-fp32")}
+    for b in (1, 2):
+        spec = rows[(b, "eagle3-fp32")]
+        assert spec["sequences_equal_to_embedded_fp32"] == rows[(b, "hf-generate-fp32")][
+            "sequences_equal_to_embedded_fp32"] == f"{b}/{b}"
+        assert spec["accept_length"] >= 1 and spec["speedup"] > 0
+        assert spec["spec_step_in_plain_steps"] == pytest.approx(spec["accept_length"] / spec["speedup"], rel=1e-3)
+        assert spec["c"] > 0 and spec["verify_cost"] > 0
+        assert spec["c"] == pytest.approx(spec["draft_step_s"] / spec["target_step_s"], rel=1e-3)
+    assert (tmp_path / "out" / "summary.json").is_file() and summary["draft"]["config"]["steps"] == 2

@@ -13,6 +13,14 @@ An EAGLE-3 arm's speed-up is over plain decoding on its own engine (eagle3-fp32 
 vllm-eagle3-fp32 over vllm-fp32): the median over repeats of the two arms' tokens/s ratio within a
 repeat. vLLM's arms start (tens of seconds each) in their untimed warm-up call.
 
+The cost of speculating, two ways:
+- `spec_step_in_plain_steps` (every EAGLE-3 arm): a speculative step's time (drafting and
+  verifying) in plain steps of its own engine, implied by the two measured rates: accept length
+  over speed-up, since both arms emit the same tokens.
+- `c` and `verify_cost` (the embedded engine's EAGLE-3 arm): one draft step and one verify
+  forward over one plain target step, from a profiled run of each engine per batch size
+  (rollout.profile, full-batch steps only; specrl.bench.MEASUREMENT). vLLM has no such profile.
+
 Outputs in DIR: summary.json.
 """
 from __future__ import annotations
@@ -115,6 +123,8 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
     try:
         rows = _timed_rows(arms, prompts, params, batches, repeats, log)
+        if "eagle3-fp32" in arms:
+            _add_embedded_costs(rows, arms, prompts, params, gamma, log)
     finally:
         for arm in arms.values():
             if hasattr(arm, "shutdown"):  # vLLM's processes
@@ -123,11 +133,14 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
                                  "max_new_tokens": max_new_tokens, "repeats": repeats, "greedy": True,
                                  "prompt_tokens": [len(p) for p in prompts], "gamma": gamma if eagle3 else None,
                                  "draft": info or None, "rows": rows})
-    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  {'speed-up':>8}  {'accept':>6}  same tokens as embedded-fp32")
+    log(f"  {'batch':>5}  {'arm':<18} {'tokens/s':>9}  {'speed-up':>8}  {'accept':>6}  {'spec step':>9}  "
+        f"{'c':>6}  same tokens as embedded-fp32")
     for r in rows:
         x = f"x{r['speedup']:.2f}" if "speedup" in r else "-"
         a = f"{r['accept_length']:.2f}" if "accept_length" in r else "-"
-        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {x:>8}  {a:>6}  "
+        k = f"{r['spec_step_in_plain_steps']:.2f}" if "spec_step_in_plain_steps" in r else "-"
+        c = f"{r['c']:.3f}" if r.get("c") is not None else "-"
+        log(f"  {r['batch']:>5}  {r['arm']:<18} {r['tokens_per_s']:>9.1f}  {x:>8}  {a:>6}  {k:>9}  {c:>6}  "
             f"{r.get('sequences_equal_to_embedded_fp32', '-')}")
     return summary
 
@@ -163,7 +176,27 @@ def _timed_rows(arms: dict, prompts, params, batches, repeats: int, log) -> list
                 row["speedup_over"] = SPEEDUP_OVER[arm]
                 stats = [t.spec for t in r["trajectories"]]
                 row["accept_length"] = accept_length(sum(s.accepted for s in stats), sum(s.verify_steps for s in stats))
+                row["spec_step_in_plain_steps"] = row["accept_length"] / row["speedup"]
             rows.append(row)
         log("[bench real] batch %d: %s" % (batch, ", ".join(f"{r['arm']} {r['tokens_per_s']:.1f} tok/s"
                                                            for r in rows if r["batch"] == batch)))
     return rows
+
+
+def _add_embedded_costs(rows: list[dict], arms: dict, prompts, params, gamma: int, log) -> None:
+    """Adds `c` and `verify_cost` to each eagle3-fp32 row: a profiled (untimed) run of the plain
+    and the EAGLE-3 embedded engines at that row's batch size (experiments.bench.speed.engine_step_costs)."""
+    from experiments.bench.common import profiled_run
+    from experiments.bench.speed import engine_step_costs
+
+    for row in rows:
+        if row["arm"] != "eagle3-fp32":
+            continue
+        batch = row["batch"]
+        _, plain = profiled_run(arms["embedded-fp32"], prompts[:batch], params)
+        _, spec = profiled_run(arms["eagle3-fp32"], prompts[:batch], params)
+        costs = engine_step_costs(plain, spec, batch, gamma)
+        row.update({k: costs[k] for k in ("c", "verify_cost", "target_step_s", "draft_step_s", "verify_s")})
+        if costs["c"] is not None:
+            log(f"[bench real] batch {batch}: embedded draft step c = {costs['c']:.3f} of a target step, "
+                f"verify forward {costs['verify_cost']:.2f} target steps")
