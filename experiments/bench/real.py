@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from experiments.bench.common import repeat_ratios, save_summary, timed_generate_interleaved
+from experiments.bench.common import profiled_run, repeat_ratios, save_summary, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams, accept_length
 from rollout.speculative import SpecConfig, Speculator
@@ -78,9 +78,11 @@ def real_draft(model, tok, cfg: DraftTrainConfig, cache_dir, log=print):
     training problems of the word task, cached (specrl.drafts). The same prompts and settings as
     the real preset's RL run (specrl.train_rl.build_cotrainer, seed 0), so both use one draft."""
     from specrl.drafts import cached_offline_draft
+    from specrl.rl_setup import encode_prompts
 
-    prompts = chat_prompts(tok, word_problems(cfg.n_sequences, seed=7, split="train"))
-    return cached_offline_draft(model, prompts, cfg, (tok.eos_token_id,), cache_dir, log=log)
+    chat = ChatTokenizer(tok)
+    prompts = encode_prompts(chat, get_task("word").examples("train", cfg.n_sequences, 7))
+    return cached_offline_draft(model, prompts, cfg, (chat.eos_id,), cache_dir, log=log)
 
 
 def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", "bf16"), max_new_tokens: int = 64,
@@ -186,7 +188,6 @@ def _timed_rows(arms: dict, prompts, params, batches, repeats: int, log) -> list
 def _add_embedded_costs(rows: list[dict], arms: dict, prompts, params, gamma: int, log) -> None:
     """Adds `c` and `verify_cost` to each eagle3-fp32 row: a profiled (untimed) run of the plain
     and the EAGLE-3 embedded engines at that row's batch size (experiments.bench.speed.engine_step_costs)."""
-    from experiments.bench.common import profiled_run
     from experiments.bench.speed import engine_step_costs
 
     for row in rows:
