@@ -166,7 +166,8 @@ class Eagle3Draft(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, *, cache: KVCache | None = None,
                 slots: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, project: bool | None = None, key_len: int | None = None):
+                attn_mask: torch.Tensor | None = None, project: bool | None = None, key_len: int | None = None,
+                last: torch.Tensor | None = None):
         """One draft step over T positions per row -> (prenorm_hidden (B, T, H), logits (B, T, Vd)).
 
         Row i pairs input_ids[:, i] with hidden[:, i]; the caller aligns them: at draft position t
@@ -178,15 +179,25 @@ class Eagle3Draft(nn.Module):
         slots[b] after its current length, attend to its prefix and, among themselves, causally
         or per attn_mask (tree); the slot lengths advance by T (roll back what you drop).
         key_len: see KVCache.begin_block.
+        last (B,), with a cache: every position's keys and values are written, but the layer's
+        output is computed at position last[b] of row b only -> ((B, 1, H), (B, 1, Vd)). Feeding a
+        long run of target features (the catch-up after plain decoding steps) costs the keys and
+        values of the run, not its attention, MLP and head: only the last output drafts.
         """
         B, T = input_ids.shape
         if hidden.shape[:2] != (B, T):
             raise ValueError(f"hidden must have shape ({B}, {T}, ...), got {tuple(hidden.shape)}")
+        if last is not None and (cache is None or last.shape != (B,)):
+            raise ValueError(f"last needs a cache and shape ({B},), got {tuple(last.shape)}")
         block, mask, positions = plan_attention(input_ids, cache, slots, positions, attn_mask, self.cfg.max_seq_len,
                                                 key_len)
         h, q, k, v = self.prepare(input_ids, hidden, positions, project, cache.max_len if cache is not None else None)
         if block is not None:
             k, v = block.write_and_read(0, k, v)
+        if last is not None:  # the queries, residuals and mask rows at each row's last position
+            rows = torch.arange(B, device=last.device)
+            h, q = h[rows, last][:, None], q[rows, last][:, None]
+            mask = mask.expand(B, *mask.shape[1:])[rows, :, last][:, :, None]  # (B, 1, 1, S)
         out = self.finish(h, q, k, v, mask)
         if block is not None:
             block.commit()

@@ -251,7 +251,7 @@ class EmbeddedEngine:
             active = self._decoding(slots, n_decode, new)
             prefill = self._plan_prefill(admit) if admit else None
             if prefill is not None and not self._can_fuse(cache, [slots[i] for i in active], prefill, slack,
-                                                          spec.block_width() if spec is not None else 1):
+                                                          spec.block_width(len(active)) if spec is not None else 1):
                 # nothing to fuse with, or no room: prefill on its own; the new requests join this step
                 self._run_prefill(run, prefill)
                 prefill = None

@@ -100,11 +100,12 @@ class Speculator:
             return self.branches * depth + 1
         return 1 + c.tree_topk + (depth - 1) * c.tree_topk ** 2  # every drafted candidate, at worst
 
-    def verify_width(self) -> int:
-        """Tokens per row in a verify block of the configured shape: a chain's root and gamma
-        drafts (per branch), a tree's root and up to `tree_budget` nodes."""
+    def verify_width(self, gamma: int | None = None) -> int:
+        """Tokens per row in a verify block of the configured shape (a chain of `gamma` where
+        given): a chain's root and gamma drafts (per branch), a tree's root and up to
+        `tree_budget` nodes."""
         c = self.config
-        return 1 + (self.branches * c.gamma if c.mode == "chain" else c.tree_budget)
+        return 1 + (self.branches * (gamma or c.gamma) if c.mode == "chain" else c.tree_budget)
 
     def begin(self, n_slots: int, max_len: int) -> "SpecSession":
         """The session of one generate() call over `n_slots` cache slots of `max_len` tokens."""
@@ -132,12 +133,19 @@ class SpecSession:
         ctrl = self.spec.controller
         return ctrl.should_speculate(n_active) if ctrl is not None else True
 
-    def block_width(self) -> int:
-        """About how many tokens per row the next step's target forward carries (the engine's
-        fusion budget, EmbeddedEngine._can_fuse): a verify block, or 1 once speculation is off.
-        An estimate: the engine asks before the step's decision, and a controller may still
-        choose a plain step or a shorter chain."""
-        return self.spec.verify_width() if self.spec.enabled and not self.faulted else 1
+    def block_width(self, n_active: int) -> int:
+        """About how many tokens per row the next step's target forward over n_active rows
+        carries (the engine's fusion budget, EmbeddedEngine._can_fuse): 1 once speculation is
+        off or where the controller decodes this batch size plainly, else a verify block of the
+        chain it plays there (the configured one while it explores). An estimate: the engine asks
+        before the step's decision. Planned as a verify block, a step the controller then decodes
+        plainly pads every row to the prompts' width: on the 4-layer `drift` model such fused
+        steps took 2.6 plain steps each."""
+        if not self.spec.enabled or self.faulted:
+            return 1
+        ctrl = self.spec.controller
+        gamma = ctrl.exploited(n_active) if ctrl is not None and n_active > 0 else None
+        return 1 if gamma == 0 else self.spec.verify_width(gamma)
 
     def depth(self) -> int:
         ctrl = self.spec.controller
@@ -205,7 +213,7 @@ class Eagle3Proposer:
     def propose(self, step: SpecStep) -> ChainProposal | TreeProposal:
         """Feed the pending pairs, then draft `step.depth` tokens (a chain) or levels (a tree).
         The draft cache ends at the target's L again; the health value is the largest draft logit
-        of the feed (NaN, which amax propagates, or +inf: a broken draft; -inf marks tokens
+        of the feed's last outputs (NaN, which amax propagates, or +inf: a broken draft; -inf marks tokens
         outside the draft's vocabulary)."""
         self._prof = step.profiler
         h_last, q_last = self._feed_pending(step.slots, step.active, step.states)  # (B, H), (B, V)
@@ -272,11 +280,12 @@ class Eagle3Proposer:
                 ids = up[3]  # (G, M)
             idx = slots if sel is None else slots[sel]
             tick(self._prof, "draft_features")
-            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx, key_len=max(D[r] for r in rows) + M)
+            # keys and values of the whole run; the layer's output at each row's last position only
+            prenorm, logits = self.draft(ids, hidden, cache=self.cache, slots=idx, key_len=max(D[r] for r in rows) + M,
+                                         last=last if M > 1 else None)
             # the padding's entries are dropped: each row keeps exactly its pending run
             self.cache.rollback(idx, ends, check=False)
-            ar = torch.arange(len(rows), device=slots.device)
-            h_g, q_g = prenorm[ar, last], self.draft.to_target_logits(logits[ar, last])  # (G, H), (G, V)
+            h_g, q_g = prenorm[:, 0], self.draft.to_target_logits(logits[:, 0])  # (G, H), (G, V): the last positions
             if sel is None:
                 h_last, q_last = h_g, q_g
             else:

@@ -259,7 +259,10 @@ class ControllerConfig:
     ema: float = 0.2
     """EMA weight of a new measurement (a running mean until 1/ema samples)."""
     explore_every: int = 50
-    """Re-measure one non-chosen arm every this many decisions (0: never)."""
+    """Re-measure one non-chosen arm this many decisions after the decision last changed (0: never)."""
+    explore_backoff: int = 8
+    """Each re-measurement that leaves a bucket's decision unchanged doubles its wait for the next,
+    up to this many times explore_every."""
     min_samples: int = 3
     """Samples per arm before exploiting."""
     batch_buckets: tuple = (1, 2, 4, 8, 16, 32, 64)
@@ -276,7 +279,7 @@ class ControllerConfig:
             raise ValueError(f"ControllerConfig.margin must be >= 1.0, got {self.margin}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ControllerConfig.ema must be in (0, 1], got {self.ema}")
-        for name, low in (("explore_every", 0), ("min_samples", 1), ("alpha_tokens", 1)):
+        for name, low in (("explore_every", 0), ("explore_backoff", 1), ("min_samples", 1), ("alpha_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"ControllerConfig.{name} must be >= {low}, got {getattr(self, name)}")
         b = self.batch_buckets

@@ -21,10 +21,24 @@ sequences). Its memory is 1/ema times alpha's and it is shrunk toward 1 while it
 drafted tokens: a greedy controller keeping each arm's short-memory mean abandons arms right
 after an unlucky dip and never looks back.
 
-Exploration is deterministic: until every arm of a bucket has `min_samples` (a spec arm also
-counts as known once alpha has them, e.g. after `reset_acceptance`), arms are tried in a fixed
-round-robin; afterwards every `explore_every`-th decision re-measures one non-chosen arm,
-rotating, so exploration costs at most 1 / explore_every of the steps.
+Step times of the chains not measured are modelled: a speculative step is a verify forward and
+g draft steps, so per bucket its seconds are close to a line in g, t_spec(g) = a + b g, fitted
+to the chains measured `min_samples` times. Exploration therefore measures plain decoding and
+the shortest and longest chain only (the anchors); every other chain is known from the line
+until it is played and measured itself. Measuring every chain cost the RL rollout of the
+4-layer `drift` model 5-9% against plain decoding (18 speculative samples per bucket, each one
+after a run of plain steps paying the draft's catch-up over the positions it missed); the
+anchors alone take 6.
+
+Exploration is deterministic: until plain decoding and the anchors of a bucket have
+`min_samples` (a chain also counts as known once alpha has them, e.g. after
+`reset_acceptance`), they are tried in a fixed round-robin; afterwards one non-chosen arm, rotating, is re-measured
+`explore_every` decisions after the decision last changed, and each re-measurement that leaves
+the decision as it was doubles the wait for the next, up to `explore_backoff` times
+explore_every: exploration costs at most 1 / explore_every of the steps, and less the longer a
+decision holds. A speculative re-measurement in a bucket that decodes plainly is dear (the
+draft catches up over every position it missed since its last step), and what drifts in RL,
+acceptance, reaches every bucket through alpha without it.
 """
 from __future__ import annotations
 
@@ -112,6 +126,7 @@ class _Alpha:
     def __init__(self, state=None):
         state = state or [[0.0, 0, 0.0], [0.0, 0, 0.0]]
         self.ratio, self.depth = _Ema(*state[0]), _Ema(*state[1])
+        self._value = None  # the inversion (a bisection) is read every decision: computed once per update
 
     @property
     def n(self) -> int:
@@ -119,12 +134,15 @@ class _Alpha:
 
     @property
     def value(self) -> float:
-        return alpha_from_ratio(self.ratio.value, self.depth.value) if self.n else 0.0
+        if self._value is None:
+            self._value = alpha_from_ratio(self.ratio.value, self.depth.value) if self.n else 0.0
+        return self._value
 
     def update(self, accepted: float, drafted: float, n_active: int, ema: float, tokens: int) -> None:
         w = ema * min(1.0, drafted / tokens)
         self.ratio.update(accepted / drafted, w, drafted)
         self.depth.update(drafted / n_active, w, drafted)
+        self._value = None
 
     def state(self) -> list:
         return [self.ratio.state(), self.depth.state()]
@@ -139,6 +157,8 @@ class _Bucket:
         self.spec = {g: _StepTime() for g in gammas}  # seconds per speculative step
         self.reset_acceptance(gammas)
         self.decisions = self.rr = self.since = self.rotate = 0
+        self.interval = 0  # decisions between two re-measurements (0: explore_every, not yet set)
+        self.last_best = -1  # the arm exploited at the last decision
 
     def reset_acceptance(self, gammas) -> None:
         self.acc = {g: _Ema() for g in gammas}  # measured tokens emitted per sequence per step
@@ -147,14 +167,16 @@ class _Bucket:
 
     def state(self) -> dict:
         per_arm = {k: {g: e.state() for g, e in getattr(self, k).items()} for k in _PER_ARM}
-        return {"plain": self.plain.state(), "counters": [self.decisions, self.rr, self.since, self.rotate], **per_arm}
+        counters = [self.decisions, self.rr, self.since, self.rotate, self.interval, self.last_best]
+        return {"plain": self.plain.state(), "counters": counters, **per_arm}
 
     def load(self, s: dict) -> None:
         self.plain = _StepTime(*s["plain"])  # states saved before the filter lack `recent`: empty
         for k in _PER_ARM:
             kind = _StepTime if k == "spec" else _Ema
             setattr(self, k, {int(g): kind(*v) for g, v in s[k].items()})
-        self.decisions, self.rr, self.since, self.rotate = (int(x) for x in s["counters"])
+        counters = [int(x) for x in s["counters"]] + [0, -1][len(s["counters"]) - 4:]  # older states: 4 counters
+        self.decisions, self.rr, self.since, self.rotate, self.interval, self.last_best = counters
 
 
 class SpeculationController:
@@ -189,18 +211,32 @@ class SpeculationController:
         b.decisions += 1
         self.decisions += 1
         arms = self.arms
-        for k in range(len(arms)):  # a fixed round-robin over the arms still unknown
-            i = (b.rr + k) % len(arms)
-            if not self._known(b, arms[i]):
+        explored = (0,) + self._anchors
+        for k in range(len(explored)):  # a fixed round-robin over plain and the anchors still unknown
+            i = (b.rr + k) % len(explored)
+            if not self._known(b, explored[i]):
                 b.rr = i + 1
-                return arms[i]
+                return explored[i]
         best = self._best(b)
+        every = self.config.explore_every
+        if best != b.last_best:  # a new decision is watched closely again
+            b.interval, b.last_best = every, best
         b.since += 1
-        if self.config.explore_every and b.since >= self.config.explore_every:
+        if every and b.since >= (b.interval or every):
+            # each re-measurement that leaves the decision as it was doubles the wait for the next
             b.since, b.rotate = 0, b.rotate + 1
+            b.interval = min(2 * (b.interval or every), every * self.config.explore_backoff)
             others = [a for a in arms if a != best]
             return others[(b.rotate - 1) % len(others)]
         return best
+
+    def exploited(self, n_active: int) -> int | None:
+        """The arm this batch size's bucket plays when not re-measuring (0: plain decoding), or
+        None while it still explores; no decision is counted."""
+        b = self.buckets[self.bucket_of(n_active)]
+        if not all(self._known(b, a) for a in (0,) + self._anchors):
+            return None
+        return self._best(b)
 
     def plain_seconds(self, n_active: int) -> float | None:
         """Measured seconds of a plain engine step at this batch size (its bucket's EMA), or None."""
@@ -241,7 +277,36 @@ class SpeculationController:
         m = self.config.min_samples
         if arm == 0:
             return b.plain.n >= m
-        return b.spec[arm].n >= m and (b.acc[arm].n >= m or self.alpha.n >= m)
+        timed = b.spec[arm].n >= m or (arm not in self._anchors and self._time_line(b) is not None)
+        return timed and (b.acc[arm].n >= m or self.alpha.n >= m)
+
+    @property
+    def _anchors(self) -> tuple:
+        """The chains exploration measures: the shortest and the longest."""
+        g = self.config.gammas
+        return (min(g), max(g))
+
+    def _time_line(self, b: _Bucket) -> tuple[float, float] | None:
+        """(a, b) of the least-squares line t_spec(g) = a + b g through the chains of this bucket
+        measured min_samples times, or None while fewer than two are."""
+        pts = [(g, e.value) for g, e in b.spec.items() if e.n >= self.config.min_samples]
+        if len(pts) < 2:
+            return None
+        mg = sum(g for g, _ in pts) / len(pts)
+        mt = sum(t for _, t in pts) / len(pts)
+        slope = sum((g - mg) * (t - mt) for g, t in pts) / sum((g - mg) ** 2 for g, _ in pts)
+        return mt - slope * mg, slope
+
+    def _spec_seconds(self, b: _Bucket, g: int, line: tuple | None | bool = False) -> float | None:
+        """Seconds per speculative step of chain g: measured (min_samples times), else from the
+        bucket's line (`line`, if the caller has it), else what few samples there are, else None."""
+        e = b.spec[g]
+        if e.n >= self.config.min_samples:
+            return e.value
+        line = self._time_line(b) if line is False else line
+        if line is not None:
+            return max(line[0] + line[1] * g, 1e-9)
+        return e.value if e.n else None
 
     def _accept_len(self, b: _Bucket, g: int) -> float | None:
         """E(alpha_now, g) times this arm's measured / modelled ratio (slow memory), shrunk
@@ -257,8 +322,10 @@ class SpeculationController:
     def _rates(self, b: _Bucket) -> tuple[float | None, dict]:
         """Per-sequence tokens per second of plain decoding and of each measured gamma."""
         plain = 1.0 / max(b.plain.value, 1e-12) if b.plain.n else None
-        acc = {g: self._accept_len(b, g) for g in self.config.gammas if b.spec[g].n}
-        return plain, {g: a / max(b.spec[g].value, 1e-12) for g, a in acc.items() if a is not None}
+        line = self._time_line(b)
+        secs = {g: self._spec_seconds(b, g, line) for g in self.config.gammas}
+        acc = {g: self._accept_len(b, g) for g, t in secs.items() if t is not None}
+        return plain, {g: a / max(secs[g], 1e-12) for g, a in acc.items() if a is not None}
 
     def _best(self, b: _Bucket) -> int:
         plain, spec = self._rates(b)
@@ -282,6 +349,8 @@ class SpeculationController:
                 "gamma": chosen, "exploring": exploring, "decisions": b.decisions,
                 "t_plain_s": b.plain.value if b.plain.n else None,
                 "t_spec_s": {g: e.value for g, e in b.spec.items() if e.n},
+                # the seconds the decision uses: measured, or from the line through the measured chains
+                "t_spec_used_s": {g: t for g in self.config.gammas if (t := self._spec_seconds(b, g)) is not None},
                 "accept_len": {g: self._accept_len(b, g) for g in spec},
                 "accept_len_measured": {g: e.value for g, e in b.acc.items() if e.n},
                 "spec_cost_ratio": {g: e.value / max(b.plain.value, 1e-12)

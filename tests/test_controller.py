@@ -73,9 +73,14 @@ def test_alpha_inversion_and_buckets():
 
 def test_initial_round_robin_is_fixed():
     ctrl = SpeculationController(ControllerConfig(min_samples=2))
-    choices = run(ctrl, 4, 12, moe_spec_cost, 0.6, None)
-    assert choices == [0, 1, 2, 3, 4, 6] * 2
-    assert ctrl.summary()["buckets"][4]["exploring"] is False
+    choices = run(ctrl, 4, 6, moe_spec_cost, 0.6, None)
+    assert choices == [0, 1, 6] * 2  # plain and the anchors, the shortest and the longest chain
+    s = ctrl.summary()["buckets"][4]
+    assert s["exploring"] is False
+    # the chains between the anchors are known from the line through them, not measured
+    assert sorted(s["t_spec_s"]) == [1, 6] and sorted(s["speedup"]) == [1, 2, 3, 4, 6]
+    for g in (1, 2, 3, 4, 6):  # this cost model is a line in g at a fixed batch size
+        assert s["t_spec_used_s"][g] == pytest.approx(moe_spec_cost(4, g), rel=1e-9)
 
 
 def test_moe_plain_at_large_batch_spec_at_small():
@@ -113,6 +118,46 @@ def test_exploration_is_bounded():
             best = ctrl.summary()["buckets"][2]["gamma"]
             off += step(ctrl, 2, cheap_spec_cost, 0.8, rng) != best
         assert off <= 1000 * 2 / cfg.explore_every + 3, off
+
+
+def test_exploration_backs_off_while_the_decision_holds_and_still_finds_a_change():
+    """At a batch size where plain decoding wins, each re-measurement that changes nothing
+    doubles the wait for the next (up to explore_backoff times explore_every): 2000 decisions
+    re-measure 5 times instead of 40. A lasting change of the costs is still found."""
+    counts = {}
+    for backoff in (1, 8):
+        ctrl = SpeculationController(ControllerConfig(explore_backoff=backoff))
+        rng = random.Random(3)
+        run(ctrl, 64, 400, moe_spec_cost, 0.6, rng)
+        assert ctrl.summary()["buckets"][64]["gamma"] == 0
+        counts[backoff] = sum(g != 0 for g in run(ctrl, 64, 2000, moe_spec_cost, 0.6, rng))
+    assert counts[1] >= 2000 / 50 - 1 and counts[8] <= 2000 / (8 * 50) + 3, counts
+    after = run(ctrl, 64, 8000, cheap_spec_cost, 0.6, rng)  # speculation became cheap for good
+    assert ctrl.summary()["buckets"][64]["gamma"] > 0 and after[-1000:].count(0) <= 1000 / (8 * 50) + 2
+
+
+def test_fusion_budget_follows_the_arm_each_batch_size_plays():
+    """The engine plans a step's prompt fusion before deciding it (SpecSession.block_width): a
+    batch size the controller decodes plainly gets a 1-token block, one it speculates at a
+    verify block of its chain, one it still explores the configured chain's block."""
+    from rollout.speculative import SpecConfig, SpecSession, Speculator
+
+    ctrl = SpeculationController()
+    rng = random.Random(4)
+    for n in (1, 64):
+        run(ctrl, n, 400, moe_spec_cost, 0.6, rng)
+    spec = Speculator(None, SpecConfig(gamma=6), proposer=lambda n_slots, max_len: None)
+    spec.controller = ctrl
+    session = SpecSession(spec, None)
+    assert ctrl.exploited(64) == 0 and session.block_width(64) == 1
+    g = ctrl.exploited(1)
+    assert g > 0 and session.block_width(1) == 1 + g
+    assert ctrl.exploited(8) is None and session.block_width(8) == 7  # exploring: the configured chain
+    decisions = ctrl.decisions
+    session.block_width(64)
+    assert ctrl.decisions == decisions  # asking counts no decision
+    spec.enabled = False
+    assert session.block_width(1) == 1
 
 
 def realized_speedup(choices, n, alpha, spec_cost):
@@ -208,9 +253,16 @@ def test_an_isolated_slow_step_does_not_drive_the_controller_off_its_arm():
     run(ctrl, 4, 200, quick_like_cost, 0.9, rng)
     chosen = ctrl.summary()["buckets"][4]["gamma"]
     assert chosen > 0
+    before = ctrl.summary()["buckets"][4]["t_spec_s"][chosen]
     ctrl.observe_spec(4, chosen, 4 * quick_like_cost(4, chosen), expected_accept_length(0.9, chosen), 12, 4 * chosen)
-    after = run(ctrl, 4, 200, quick_like_cost, 0.9, rng)
-    assert sum(g != chosen for g in after) <= 200 / ctrl.config.explore_every + 3, after
+    # unfiltered, the EMA (weight 0.2) would have moved 60% up; the median of the last three moves
+    # it by the jitter at most, and the arm stays the one chosen
+    assert ctrl.summary()["buckets"][4]["t_spec_s"][chosen] <= 1.1 * before
+    assert ctrl.summary()["buckets"][4]["gamma"] == chosen
+    after = run(ctrl, 4, 5, quick_like_cost, 0.9, rng)
+    assert after == [chosen] * 5, after
+    # (left alone for 200 steps it may still swap between chains 3 and 4 of this cost model: their
+    # estimates are within the noise of the acceptance measurements, true speed-ups 1.81 and 1.95)
     # a lasting change still shows: the same arm slowed for good is left within a few steps
     slow = lambda n, g: quick_like_cost(n, g) * (2.0 if g == chosen else 1.0)  # noqa: E731
     later = run(ctrl, 4, 40, slow, 0.9, rng)

@@ -160,6 +160,33 @@ def test_cache_incremental_equals_full_forward_with_ragged_rollback_and_tree():
         assert torch.allclose(draft(x, h, attn_mask=causal)[0], full_pre, atol=1e-6)
 
 
+def test_feed_with_last_writes_every_key_and_outputs_the_last_position_only():
+    """`last`: the catch-up feed after plain decoding steps writes the keys and values of the
+    whole run but runs attention, MLP and head at each row's last position: its outputs equal the
+    full forward's there, and the cache it leaves drafts exactly as the full feed's does."""
+    target, draft = make_pair()
+    ids, feats, _ = target_inputs(target, 2, 13)
+    x, h = ids[:, 1:], feats[:, :-1]
+    with torch.no_grad():
+        full_pre, full_logits = draft(x, h)
+        caches = []
+        for last in (None, torch.tensor([5, 8])):  # row 0 feeds 6 real positions, row 1 feeds 9
+            cache = draft.new_cache(2, 32)
+            draft(x[:, :3], h[:, :3], cache=cache)  # a prefix already in the draft cache
+            pre, lg = draft(x[:, 3:12], h[:, 3:12], cache=cache, last=last)
+            cache.rollback(torch.tensor([0, 1]), torch.tensor([9, 12]))  # padding dropped, as the engine does
+            caches.append(cache)
+        assert pre.shape[:2] == (2, 1) and lg.shape[:2] == (2, 1)
+        for row, t in ((0, 8), (1, 11)):
+            assert (pre[row, 0] - full_pre[row, t]).abs().max() < 1e-5
+            assert (lg[row, 0] - full_logits[row, t]).abs().max() < 1e-5
+        # the next draft step reads the same keys either way
+        nxt = [draft(torch.tensor([[5], [7]]), h[:, 11:12], cache=c, slots=torch.tensor([0, 1]))[0] for c in caches]
+        assert (nxt[0] - nxt[1]).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="last needs a cache"):
+        draft(x, h, last=torch.tensor([1, 2]))
+
+
 def test_ttt_steps_equal_chained_inference_with_cache():
     """Step k at row t of TTT == inference that ran step 0 over rows 0..t, then k chained steps,
     each appending one entry at the next cache position and feeding its pre-norm output back

@@ -122,6 +122,12 @@ def test_dense_moe_dispatch_decodes_what_exact_decodes(sft_policy, offline_draft
             assert sum(t.spec.accepted for t in trajs) > 0
 
 
+# Samples of the first two tokens per law check. With 4000 the check against an always-accepting
+# rule gave p = 7e-5 on one build of the test draft and p > 1e-3 (no detection) on another: the
+# check had too little power to fail reliably. 8000 doubles its statistic under that bug.
+N_LAW = 8000
+
+
 def _first_two_counts(policy, draft, mode, prompt, n, vocab, temperature):
     engine = _engine(policy, 64, draft, mode, sampling="rng")
     params = SamplingParams(temperature=temperature, max_new_tokens=2, seed=5)
@@ -146,8 +152,8 @@ def test_rejection_sampling_matches_target_distribution(sft_policy, offline_draf
     """Chi-square of the first two tokens against the exact target law; threshold p > 1e-3."""
     tokenizer, task, policy, _ = sft_policy
     prompt = encode_prompts(tokenizer, task.examples("heldout", 1, 9))[0]
-    counts, trajs = _first_two_counts(policy, offline_draft, mode, prompt, 4000, tokenizer.vocab_size, 1.5)
-    assert sum(t.spec.accepted for t in trajs) > 500  # the draft's proposals are accepted often
+    counts, trajs = _first_two_counts(policy, offline_draft, mode, prompt, N_LAW, tokenizer.vocab_size, 1.5)
+    assert sum(t.spec.accepted for t in trajs) > 1000  # the draft's proposals are accepted often
     stat, df, pval = chi2_pvalue(counts, _exact_first_two(policy, prompt, 1.5))
     assert pval > 1e-3, f"chi2={stat:.1f} df={df} p={pval:.2e}"
 
@@ -157,7 +163,7 @@ def test_rejection_check_has_power(sft_policy, offline_draft, monkeypatch):
     tokenizer, task, policy, _ = sft_policy
     prompt = encode_prompts(tokenizer, task.examples("heldout", 1, 9))[0]
     monkeypatch.setattr(acceptance, "accept_test", lambda px, qx, u: torch.ones_like(px, dtype=torch.bool))
-    counts, _ = _first_two_counts(policy, offline_draft, "chain", prompt, 4000, tokenizer.vocab_size, 1.5)
+    counts, _ = _first_two_counts(policy, offline_draft, "chain", prompt, N_LAW, tokenizer.vocab_size, 1.5)
     _, _, pval = chi2_pvalue(counts, _exact_first_two(policy, prompt, 1.5))
     assert pval < 1e-3
 
