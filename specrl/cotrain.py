@@ -37,6 +37,13 @@ from specrl.online_trainer import OnlineDraftTrainer
 from specrl.overlap import OverlappedBursts
 from specrl.scheduler import DraftScheduler
 
+# Fewer drafted tokens in a rollout than this say nothing about the draft: under the adaptive
+# controller a rollout may speculate in one or two re-measuring steps only, and one sequence
+# drafting one rejected token read as a collapse of acceptance (the budget's alarm fired on
+# `drift` as the controller settled on plain decoding).
+MIN_DRAFTED_TOKENS = 32
+
+
 class SpecCoTrainer:
     def __init__(self, draft, config: CoTrainConfig | None = None):
         self.config = cfg = config or CoTrainConfig()
@@ -173,14 +180,15 @@ class SpecCoTrainer:
             self.history.add_rollout(trajectories)
             self._rollout_metrics["perf/history_s"] = self.history.take_seconds()
         signal = agg["accept_length"]
-        if self.controller is not None and agg["verify_steps"] > 0:
+        measured = agg["verify_steps"] > 0 and agg["drafted"] >= MIN_DRAFTED_TOKENS
+        if self.controller is not None and measured:
             # the controller picks the chain length per step, and a shorter chain emits fewer
             # tokens per verify however good the draft: the budget reads acceptance at the
             # configured chain instead, E(alpha, gamma) with alpha the per-token acceptance
             alpha = alpha_from_ratio(agg["accept_rate"], agg["drafted"] / agg["verify_steps"])
             signal = expected_accept_length(alpha, self.config.spec.gamma)
             self._rollout_metrics["rollout/spec_accept_length_at_gamma"] = signal
-        self.budget.observe(signal, agg["verify_steps"] > 0)
+        self.budget.observe(signal, measured)
         self.budget.observe_saving((getattr(self.engine, "last_stats", None) or {}).get("spec_saved_s"))
         self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
                                       "rollout/spec_collapse_alarms": self.budget.alarms})

@@ -310,6 +310,32 @@ def test_adaptive_budget_reads_acceptance_at_the_configured_chain(tiny_model):
     assert signals[False, 2] < 0.7 * signals[False, 6]  # the raw accept length follows the chain length
 
 
+def test_a_rollout_that_hardly_speculated_raises_no_collapse_alarm(tiny_model):
+    """Under the adaptive controller a rollout may speculate in one re-measuring step only: one
+    sequence drafting a few rejected tokens is no sign of a collapsed draft. Rollouts that drafted
+    enough tokens and accepted none still raise the alarm."""
+    import warnings
+    from types import SimpleNamespace
+
+    from rollout.engine import EmbeddedEngine
+    from rollout.protocol import SpecStats
+    from rollout.speculative import SpecConfig
+    from specrl.config import CoTrainConfig, DraftBudgetConfig, DraftTrainConfig, SchedulerConfig
+    from specrl.cotrain import MIN_DRAFTED_TOKENS, SpecCoTrainer
+    from specrl.drafts import new_draft
+
+    draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
+    cfg = CoTrainConfig(mode="frozen", spec=SpecConfig(gamma=6), adaptive=True,
+                        scheduler=SchedulerConfig(draft_steps=DraftBudgetConfig(rule="acceptance", collapse_patience=2)))
+    for steps, alarmed in ((1, False), (MIN_DRAFTED_TOKENS, True)):
+        cot = SpecCoTrainer(draft, cfg).attach(EmbeddedEngine(tiny_model))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for _ in range(4):
+                cot.on_rollout([SimpleNamespace(spec=SpecStats(verify_steps=steps, drafted=steps, accepted=0))])
+        assert cot.budget.alarm is alarmed and bool(w) is alarmed, steps
+
+
 def test_hot_swap_keeps_the_controllers_measurements(sft_policy, offline_draft):
     """A draft update must not send the adaptive controller back to exploring: it keeps its
     acceptance and step-time estimates across the swap (they follow the new draft by their EMAs)."""
