@@ -207,8 +207,8 @@ class Eagle3Proposer:
     def decoded(self, slots: list[int], out) -> None:
         """A plain decode step of these slots: each one's new feature awaits the draft."""
         feats = out.features(self.draft.cfg.aux_layer_ids)
-        for r, s in enumerate(slots):
-            self.pending[s].append(feats[r])
+        for s, f in zip(slots, feats.unbind(0)):  # one call for the rows' views, not one index per row
+            self.pending[s].append(f)
 
     def propose(self, step: SpecStep) -> ChainProposal | TreeProposal:
         """Feed the pending pairs, then draft `step.depth` tokens (a chain) or levels (a tree).
