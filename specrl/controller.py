@@ -25,18 +25,17 @@ Step times of the chains not measured are modelled: a speculative step is a veri
 g draft steps, so per bucket its seconds are close to a line in g, t_spec(g) = a + b g, fitted
 to the chains measured `min_samples` times. Exploration therefore measures plain decoding and
 the shortest and longest chain only (the anchors); every other chain is known from the line
-until it is played and measured itself. Measuring every chain cost the RL rollout of the
-4-layer `drift` model 5-9% against plain decoding (18 speculative samples per bucket, each one
-after a run of plain steps paying the draft's catch-up over the positions it missed); the
-anchors alone take 6.
+until it is played and measured itself. Measuring every chain takes 18 speculative samples per
+bucket of chains 1..6, each of which, after a run of plain steps, pays the draft's catch-up over
+the positions it missed; the anchors take 6.
 
 Exploration is deterministic: until plain decoding and the anchors of a bucket have
 `min_samples` (a chain also counts as known once alpha has them, e.g. after
-`reset_acceptance`), they are tried in a fixed round-robin; afterwards one non-chosen arm, rotating, is re-measured
-`explore_every` decisions after the decision last changed, and each re-measurement that leaves
-the decision as it was doubles the wait for the next, up to `explore_backoff` times
-explore_every: exploration costs at most 1 / explore_every of the steps, and less the longer a
-decision holds. A speculative re-measurement in a bucket that decodes plainly is dear (the
+`reset_acceptance`), they are tried in a fixed round-robin. Afterwards one non-chosen arm,
+rotating, is re-measured `explore_every` decisions after the decision last changed, and each
+re-measurement that leaves the decision as it was doubles the wait for the next, up to
+`explore_backoff` times explore_every: exploration costs at most 1 / explore_every of the
+steps, and less the longer a decision holds. A speculative re-measurement in a bucket that decodes plainly is dear (the
 draft catches up over every position it missed since its last step), and what drifts in RL,
 acceptance, reaches every bucket through alpha without it.
 """
