@@ -156,8 +156,8 @@ class _Bucket:
         self.spec = {g: _StepTime() for g in gammas}  # seconds per speculative step
         self.reset_acceptance(gammas)
         self.decisions = self.rr = self.since = self.rotate = 0
-        self.interval = 0  # decisions between two re-measurements (0: explore_every, not yet set)
-        self.last_best = -1  # the arm exploited at the last decision
+        self.interval = 0  # decisions between two re-measurements (set at the first exploiting decision)
+        self.last_best = -1  # the arm exploited at the last decision (-1: none yet)
 
     def reset_acceptance(self, gammas) -> None:
         self.acc = {g: _Ema() for g in gammas}  # measured tokens emitted per sequence per step
@@ -221,10 +221,10 @@ class SpeculationController:
         if best != b.last_best:  # a new decision is watched closely again
             b.interval, b.last_best = every, best
         b.since += 1
-        if every and b.since >= (b.interval or every):
+        if every and b.since >= b.interval:
             # each re-measurement that leaves the decision as it was doubles the wait for the next
             b.since, b.rotate = 0, b.rotate + 1
-            b.interval = min(2 * (b.interval or every), every * self.config.explore_backoff)
+            b.interval = min(2 * b.interval, every * self.config.explore_backoff)
             others = [a for a in arms if a != best]
             return others[(b.rotate - 1) % len(others)]
         return best
@@ -233,9 +233,7 @@ class SpeculationController:
         """The arm this batch size's bucket plays when not re-measuring (0: plain decoding), or
         None while it still explores; no decision is counted."""
         b = self.buckets[self.bucket_of(n_active)]
-        if not all(self._known(b, a) for a in (0,) + self._anchors):
-            return None
-        return self._best(b)
+        return None if self._exploring(b) else self._best(b)
 
     def plain_seconds(self, n_active: int) -> float | None:
         """Measured seconds of a plain engine step at this batch size (its bucket's EMA), or None."""
@@ -278,6 +276,11 @@ class SpeculationController:
             return b.plain.n >= m
         timed = b.spec[arm].n >= m or (arm not in self._anchors and self._time_line(b) is not None)
         return timed and (b.acc[arm].n >= m or self.alpha.n >= m)
+
+    def _exploring(self, b: _Bucket) -> bool:
+        """Whether plain decoding or an anchor of this bucket is still unmeasured (every other
+        chain is known once the anchors are: from the line through them)."""
+        return not all(self._known(b, a) for a in (0,) + self._anchors)
 
     @property
     def _anchors(self) -> tuple:
@@ -341,7 +344,7 @@ class SpeculationController:
             if not (b.decisions or b.plain.n or any(e.n for e in b.spec.values())):
                 continue
             plain, spec = self._rates(b)
-            exploring = not all(self._known(b, a) for a in self.arms)
+            exploring = self._exploring(b)
             chosen = None if exploring else self._best(b)
             speedup = {g: r / plain for g, r in spec.items()} if plain else {}
             out["buckets"][key] = {
