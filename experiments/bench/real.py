@@ -38,6 +38,7 @@ from rollout.protocol import SamplingParams, accept_length
 from rollout.speculative import SpecConfig, Speculator
 from specrl.config import DraftTrainConfig
 from specrl.presets import REAL_DRAFT
+from specrl.rl_setup import encode_prompts
 from target_training.real_models import ChatTokenizer, load_real_target, real_hf_model
 from target_training.tasks import get_task
 from target_training.sft import default_cache_dir
@@ -47,9 +48,10 @@ ENGINES = ("embedded", "vllm")
 SPEEDUP_OVER = {"eagle3-fp32": "embedded-fp32", "vllm-eagle3-fp32": "vllm-fp32"}  # EAGLE-3 arm -> its plain arm
 
 
-def word_problems(n: int, seed: int = 0, split: str = "heldout") -> list[str]:
-    """`n` of the real preset's word problems (target_training.tasks.WordTask; nothing is downloaded)."""
-    return [ex.prompt for ex in get_task("word").examples(split, n, seed)]
+def word_prompts(tok, split: str, n: int, seed: int) -> list[list[int]]:
+    """`n` of the real preset's word problems (target_training.tasks.WordTask; nothing is
+    downloaded) in the model's chat template, encoded as the RL run encodes them."""
+    return encode_prompts(ChatTokenizer(tok), get_task("word").examples(split, n, seed))
 
 
 class HFGenerate:
@@ -68,21 +70,14 @@ class HFGenerate:
         return [SimpleNamespace(token_ids=row[width:].tolist()) for row in out]
 
 
-def chat_prompts(tok, questions) -> list[list[int]]:
-    chat = ChatTokenizer(tok)
-    return [chat.encode_prompt(q) for q in questions]
-
-
 def real_draft(model, tok, cfg: DraftTrainConfig, cache_dir, log=print):
     """The real model's starting EAGLE-3 draft: trained offline on its own sampled answers to
     training problems of the word task, cached (specrl.drafts). The same prompts and settings as
     the real preset's RL run (specrl.train_rl.build_cotrainer, seed 0), so both use one draft."""
     from specrl.drafts import cached_offline_draft
-    from specrl.rl_setup import encode_prompts
 
-    chat = ChatTokenizer(tok)
-    prompts = encode_prompts(chat, get_task("word").examples("train", cfg.n_sequences, 7))
-    return cached_offline_draft(model, prompts, cfg, (chat.eos_id,), cache_dir, log=log)
+    prompts = word_prompts(tok, "train", cfg.n_sequences, 7)
+    return cached_offline_draft(model, prompts, cfg, (ChatTokenizer(tok).eos_id,), cache_dir, log=log)
 
 
 def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", "bf16"), max_new_tokens: int = 64,
@@ -104,10 +99,9 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
     out = Path(out_dir)
     cache_dir = cache_dir or default_cache_dir()
     arms, tok, info, draft = {}, None, {}, None
-    questions = word_problems(max(batches), seed=0)
     for name in dtypes:
         model, tok = load_real_target(model_name, cache_dir, dtype=DTYPES[name], log=log)
-        prompts = chat_prompts(tok, questions)
+        prompts = word_prompts(tok, "heldout", max(batches), 0)
         # the KV cache sized to the work (the model's own context, 8192 tokens, would be attended over in full)
         max_len = max(len(p) for p in prompts) + max_new_tokens
         arms[f"embedded-{name}"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len))
