@@ -634,8 +634,8 @@ def test_the_stop_hooks_chain_and_keep_engines_collectable(setup, tmp_path, monk
 def test_history_drafter_runs_in_vllm_losslessly(setup, plain):
     """The history drafter as vLLM's custom proposer (rollout.vllm_history), installed through the
     co-training plug-in: greedy and sampled rollouts of GRPO-style groups (each prompt 4 times,
-    more requests than slots, so later members draft from earlier ones) give plain vLLM's tokens;
-    drafts are accepted, and more of them once the previous call's answers join the history."""
+    more requests than slots) give plain vLLM's tokens; drafts are accepted, and many more of them
+    once the previous call's answers join the history."""
     from rollout.history import HistoryConfig
     from specrl.config import CoTrainConfig
     from specrl.cotrain import SpecCoTrainer
@@ -654,9 +654,14 @@ def test_history_drafter_runs_in_vllm_losslessly(setup, plain):
             assert [t.token_ids for t in got] == [t.token_ids for t in ref]
             assert max(float((a.logprobs - b.logprobs).abs().max()) for a, b in zip(got, ref)) < 1e-4
         s1, s2 = (summarize_spec_stats(t.spec for t in got) for got in (first, second))
-        print(f"history drafter on vLLM, greedy: accept length {s1['accept_length']:.2f} (siblings), "
-              f"{s2['accept_length']:.2f} (siblings and the previous call)")
-        assert s1["accept_length"] > 1.3 and s2["accept_length"] > s1["accept_length"]
+        print(f"history drafter on vLLM, greedy: accept length {s1['accept_length']:.2f} (first call), "
+              f"{s2['accept_length']:.2f} (with the previous call's answers)")
+        # The first call has no history: its drafts continue a request's own answer (a repeated
+        # stretch) or a sibling's, and nothing accepted would give exactly 1.0. Above that it depends
+        # on the steps in which vLLM's engine core admits the requests (they reach its process while
+        # it already steps): 1.29-1.31 over four runs of one seed, 1.31 with sibling drafts switched
+        # off (siblings decode in step with each other here). The bar sits clear of both.
+        assert s1["accept_length"] > 1.2 and s2["accept_length"] > s1["accept_length"] + 1.0
         sampled = SamplingParams(temperature=1.0, max_new_tokens=32, stop_token_ids=(setup[0].eos_id,), seed=3)
         ref = plain.generate(prompts, sampled, request_ids=range(len(prompts)))
         got = engine.generate(prompts, sampled, request_ids=range(len(prompts)))
