@@ -554,8 +554,9 @@ def headline(summary: dict) -> list[tuple[str, str]]:
                               f"online {summary['tau_online_end']:.3f}, reference {summary['tau_reference_end']:.3f}"),
             ("speed-up at the end", f"frozen x{summary['speedup_frozen_end']:.2f}, online x{summary['speedup_online_end']:.2f}, "
                                     f"reference x{summary['speedup_reference_end']:.2f}"),
-            ("online over frozen", f"x{summary['speedup_online_over_frozen_end']:.3f} (engine steps: "
-                                   f"x{summary['online_over_frozen_steps_end'] or 0:.3f})"),
+            ("online over frozen", f"x{summary['speedup_online_over_frozen_end']:.3f} (engine steps: " + (
+                "not counted by this engine)" if summary['online_over_frozen_steps_end'] is None
+                else f"x{summary['online_over_frozen_steps_end']:.3f})")),
             ("online draft cost", f"{summary['draft_added_fraction']:+.1%} RL step time"),
             ("policy", f"KL from start {summary['kl_end']:.3f}; held-out reward {summary['reward_start']:.3f} -> "
                        f"{summary['reward_end']:.3f}"),

@@ -43,6 +43,8 @@ def test_drift_outputs(drift_runs):
     end = format_end("drift", summary, out).splitlines()
     assert len(end) < 12 and any(line.split()[:2] == ["accept", "length"] for line in end)
     assert any("speedup_vs_batch.png" in line for line in end)
+    uncounted = "\n".join(format_end("drift", {**summary, "online_over_frozen_steps_end": None}, out).splitlines())
+    assert "engine steps: not counted" in uncounted  # vLLM does not count them: no made-up x0.000
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     preset = get_drift_preset("ci")
     steps = sorted({r["step"] for r in rows})
