@@ -448,6 +448,8 @@ class VLLMEngine:
         self.draft = None  # the engine's copy of the draft it speculates with
         self.spec = None
         self.history = None  # HistoryConfig when the history drafter speculates (rollout.vllm_history)
+        self.run_choice = None  # speculation on or off for the whole run, measured (choose_per_run)
+        self._plain = False  # the run choice has vLLM decode plainly: started without its drafter
         self._warned_sampling = False
         self.sampler_mend: dict = {}  # what _mend_cpu_expand_in_worker found and did at the last start
         self.version = 0
@@ -472,14 +474,14 @@ class VLLMEngine:
         self._write_policy_folder()
         self._owner_pid = os.getpid()
         _install_signal_handlers()
-        kw = {}
-        if self.history is not None:  # drafts from the group and earlier answers: a custom proposer in the worker
+        kw = {}  # plain vLLM: no drafter (no speculation installed, or the run choice says plain)
+        if self.speculating and self.history is not None:  # drafts from the group and earlier answers: a custom proposer in the worker
             from rollout.vllm_history import CLASS_PATH, METHOD
 
             kw = dict(speculative_config={"method": METHOD, "model": CLASS_PATH,
                                           "num_speculative_tokens": self.spec.gamma},
                       per_request_spec_decode_metrics="detailed")
-        elif self.draft is not None:
+        elif self.speculating:
             folder = save_draft(self.draft, self.work_dir / "draft")
             spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": self.spec.gamma}
             if self.config.spec_schedule is not None:
@@ -492,7 +494,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs", gpu_memory_utilization=0.05,
             kv_cache_memory_bytes=self.config.kv_cache_bytes, **kw)
         self.driver_watch = self._llm.collective_rpc(_watch_driver_in_worker, args=(os.getpid(),))[0]
-        if self.spec is not None:
+        if self.speculating:
             self.sampler_mend = self._llm.collective_rpc(_mend_cpu_expand_in_worker)[0]
 
     def set_spec_schedule(self, schedule) -> None:
@@ -500,6 +502,20 @@ class VLLMEngine:
         reads it when it starts, so a live engine restarts at its next use."""
         self.config = dataclasses.replace(self.config, spec_schedule=schedule)
         self.shutdown()
+
+    takes_run_choice = True  # choose_per_run: speculation on or off for the whole run, measured
+
+    def choose_per_run(self, choice) -> None:
+        """Speculate or decode plainly as `choice` says before each generate() call, and report
+        each call to it (specrl.controller.RunChoice): vLLM 0.32 runs its EAGLE-3 drafter at every
+        step, even where a schedule asks for no draft tokens, so the closest it has to switching
+        speculation off where it does not pay is a restart without the drafter."""
+        self.run_choice = choice
+
+    @property
+    def speculating(self) -> bool:
+        """vLLM runs (or will start) with a drafter."""
+        return self.spec is not None and not self._plain
 
     def runs_in_place(self, module) -> bool:
         return False  # the engine holds its own copy of the policy: every update is synced
@@ -520,7 +536,12 @@ class VLLMEngine:
                                   "use top_k=0, top_p=1 with the vLLM engine")
         if len(prompts) == 0:
             return []
-        if self.spec is not None and not params.greedy and not self._warned_sampling:
+        if self.run_choice is not None and self.spec is not None:
+            plain = self.run_choice.arm() == "plain"
+            if plain != self._plain:  # vLLM takes its speculative setting when it starts
+                self._plain = plain
+                self.shutdown()
+        if self.speculating and not params.greedy and not self._warned_sampling:
             self.llm  # started here if not yet: the start runs the sampler mend and records it
             if not self.sampler_mend.get("expand_ok_after", False):
                 self._warned_sampling = True
@@ -543,7 +564,7 @@ class VLLMEngine:
                 temperature=params.temperature, max_tokens=min(params.max_new_tokens, room),
                 stop_token_ids=list(params.stop_token_ids), ignore_eos=True, logprobs=0,
                 seed=(params.seed * 1_000_003 + rid) % (1 << 63), detokenize=False))
-        if self.history is not None:
+        if self.history is not None and self.speculating:
             from rollout.vllm_history import history_begin_in_worker
 
             self.llm.collective_rpc(history_begin_in_worker, args=(prompts, dataclasses.asdict(self.history)))
@@ -551,12 +572,16 @@ class VLLMEngine:
         outs = self.llm.generate(inputs, sps, use_tqdm=False)
         wall = time.perf_counter() - t0
         trajs = [self._to_trajectory(o, p, rid) for o, p, rid in zip(outs, prompts, request_ids)]
-        if self.history is not None:  # the finished answers draft the next calls' requests to the same prompts
+        if self.history is not None and self.speculating:  # the finished answers draft the next calls' requests to the same prompts
             from rollout.vllm_history import history_add_in_worker
 
             self.llm.collective_rpc(history_add_in_worker, args=([(t.prompt_ids, t.token_ids) for t in trajs],))
         n = sum(len(t.token_ids) for t in trajs)
         self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
+        if self.run_choice is not None and self.spec is not None:
+            self.run_choice.record("plain" if self._plain else "spec", n, wall)
+            # what the co-trainer's priced budget pays draft updates from (nothing once plain is kept)
+            self.last_stats["spec_saved_s"] = self.run_choice.saved_s(n, wall)
         return trajs
 
     def _to_trajectory(self, out, prompt: list[int], rid: int) -> Trajectory:
@@ -564,7 +589,7 @@ class VLLMEngine:
         tokens = [int(t) for t in c.token_ids]
         lps = [float(entry[t].logprob) for t, entry in zip(tokens, c.logprobs)]
         spec = None
-        if self.spec is not None:
+        if self.speculating:
             spec = SpecStats()
             m = c.spec_decode_metrics
             if m is not None:
@@ -650,7 +675,7 @@ class VLLMEngine:
             raise VLLMEngineError("the engine has no draft: install_draft first")
         candidate = copy.deepcopy(self.draft)
         copy_draft_weights(candidate, weights)  # refuses missing, misshapen or non-finite weights
-        if self._llm is not None:  # (not started yet: it will load the draft as it is now)
+        if self._llm is not None and self.speculating:  # (not started, or plain: it loads the draft as it is now)
             self.llm.collective_rpc(_reload_in_worker, args=(_pack(draft_tensors_for_export(candidate)), "draft"))
             self.llm.reset_prefix_cache()  # the draft's cached KV came from the old draft
         copy_draft_weights(self.draft, weights)

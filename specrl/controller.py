@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import asdict
 
 from specrl.config import ControllerConfig
@@ -377,6 +378,70 @@ class SpeculationController:
         for k, s in state["buckets"].items():
             self.buckets[int(k)].load(s)
         self._step_gamma = None
+
+
+class RunChoice:
+    """Speculate or not for a whole run, measured on the run's own rollouts: what an engine that
+    cannot switch its drafter off step by step (vLLM 0.32, docs/results.md) has instead of the
+    per-step controller.
+
+    The first `rollouts` generate() calls speculate, the next `rollouts` decode plainly; the
+    first call of each block is left out (it pays the engine's start). The run then keeps
+    speculation iff the median tokens per second of its speculating calls is at least `margin`
+    times the plain calls'. Tokens per second, not seconds per call: the calls hold different
+    prompts, so their lengths differ. The engine asks `arm()` before each call and reports it
+    with `record`; it restarts without its drafter when the arm changes to plain."""
+
+    def __init__(self, rollouts: int, margin: float = 1.05):
+        if rollouts < 2:
+            raise ValueError(f"RunChoice needs at least 2 rollouts per block, got {rollouts}")
+        self.rollouts, self.margin = int(rollouts), float(margin)
+        self.rates: dict[str, list[float]] = {"spec": [], "plain": []}
+        self.calls = 0
+        self.speculate: bool | None = None  # the decision, once both blocks are timed
+
+    def arm(self) -> str:
+        """"spec" or "plain": how the next generate() call decodes."""
+        if self.speculate is not None:
+            return "spec" if self.speculate else "plain"
+        return "spec" if self.calls < self.rollouts else "plain"
+
+    def record(self, arm: str, tokens: int, seconds: float) -> None:
+        """A generate() call decoded as `arm` emitted `tokens` in `seconds`."""
+        first = self.calls in (0, self.rollouts)
+        self.calls += 1
+        if self.speculate is not None or first or seconds <= 0:
+            return
+        self.rates[arm].append(tokens / seconds)
+        if len(self.rates["plain"]) == self.rollouts - 1:
+            self.speculate = self.speedup() >= self.margin
+
+    def speedup(self) -> float | None:
+        """Median speculating over median plain tokens per second (None until both are timed)."""
+        if not self.rates["spec"] or not self.rates["plain"]:
+            return None
+        return statistics.median(self.rates["spec"]) / statistics.median(self.rates["plain"])
+
+    def saved_s(self, tokens: int, seconds: float) -> float | None:
+        """A decided call's estimated saving: the time plain decoding takes for its tokens at the
+        measured rate, less its own (0 once plain decoding was kept; None before the decision)."""
+        if self.speculate is None:
+            return None
+        if not self.speculate:
+            return 0.0
+        return tokens / statistics.median(self.rates["plain"]) - seconds
+
+    def summary(self) -> dict:
+        return {"speculate": self.speculate, "speedup": self.speedup(), "rollouts": self.rollouts,
+                "tokens_per_s": {k: list(v) for k, v in self.rates.items()}}
+
+    def state_dict(self) -> dict:
+        return {"rollouts": self.rollouts, "margin": self.margin, "calls": self.calls,
+                "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls, self.speculate = int(state["calls"]), state["speculate"]
+        self.rates = {k: [float(x) for x in v] for k, v in state["rates"].items()}
 
 
 def batch_schedule(speedups: dict[int, float], gamma: int, max_batch: int, margin: float = 1.05) -> list[tuple]:

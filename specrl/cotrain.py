@@ -31,7 +31,7 @@ from draft_models.checkpoint import check_draft_weights
 from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
 from specrl.config import CoTrainConfig
-from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
+from specrl.controller import RunChoice, SpeculationController, alpha_from_ratio, expected_accept_length
 from specrl.draft_budget import DraftBudget
 from specrl.online_trainer import OnlineDraftTrainer
 from specrl.overlap import OverlappedBursts
@@ -51,6 +51,7 @@ class SpecCoTrainer:
         self.engine = None
         self.trainer = None
         self.controller = None
+        self.run_choice = None  # speculation on or off per run, on an engine that takes no controller
         self.draft_trainer = None
         self.faults = 0
         self._faults_seen = 0  # engine draft faults already reported by on_rollout
@@ -99,8 +100,15 @@ class SpecCoTrainer:
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
         if self.controller is not None and not getattr(engine, "takes_controller", False):
-            warnings.warn(f"{type(engine).__name__} takes no per-step controller: CoTrainConfig.adaptive is not "
-                          f"used (on vLLM, speculate by batch size with VLLMEngineConfig.spec_schedule)", RuntimeWarning)
+            rollouts = self.config.controller.run_rollouts
+            if getattr(engine, "takes_run_choice", False) and rollouts:
+                # vLLM: speculation on or off for the whole run, timed on its first rollouts
+                self.run_choice = RunChoice(rollouts, self.config.controller.margin)
+                engine.choose_per_run(self.run_choice)
+            else:
+                warnings.warn(f"{type(engine).__name__} takes no per-step controller: CoTrainConfig.adaptive is not "
+                              f"used (on vLLM, speculate by batch size with VLLMEngineConfig.spec_schedule)",
+                              RuntimeWarning)
             self.controller = None
         if self.history is None or not hasattr(engine, "install_history"):
             engine.install_draft(self.draft, self.config.spec, controller=self.controller)
@@ -174,6 +182,10 @@ class SpecCoTrainer:
             "rollout/spec_faults": len(self.engine.draft_faults) - self._faults_seen,
             "rollout/spec_faults_total": len(self.engine.draft_faults),
         }
+        if self.run_choice is not None:  # 1/0 once decided, None while the first rollouts are timed
+            self._rollout_metrics["rollout/spec_run_choice"] = (None if self.run_choice.speculate is None
+                                                                else int(self.run_choice.speculate))
+            self._rollout_metrics["rollout/spec_run_speedup"] = self.run_choice.speedup()
         self._faults_seen = len(self.engine.draft_faults)
         if self.history is not None:  # per-source acceptance of this rollout, then its answers join the history
             self._rollout_metrics.update(self.history.metrics())
@@ -438,6 +450,7 @@ class SpecCoTrainer:
                 # the buffer's records too: the next draft updates sample them, so an exact resume needs them
                 "buffer": self.buffer.state_dict(include_tensors=True), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict() if self.controller is not None else None,
+                "run_choice": self.run_choice.state_dict() if self.run_choice is not None else None,
                 "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -457,6 +470,8 @@ class SpecCoTrainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.controller is not None and state["controller"] is not None:
             self.controller.load_state_dict(state["controller"])
+        if self.run_choice is not None and state.get("run_choice") is not None:  # absent in older checkpoints
+            self.run_choice.load_state_dict(state["run_choice"])
         self.generator.set_state(state["generator"])
         self.faults = state["faults"] + faults
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it

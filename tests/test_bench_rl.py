@@ -55,6 +55,8 @@ def test_ratios_are_the_rows_medians(bench):
     for a, m in arms.items():
         assert m["step_s"] == statistics.median(r["step_s"] for r in rows[a])
         assert m["step_speedup"] == pytest.approx(off / m["step_s"])
+        assert m["total_step_speedup"] == pytest.approx(sum(r["step_s"] for r in rows["off"])
+                                                        / sum(r["step_s"] for r in rows[a]))
     assert arms["off"]["cotrain_share"] == 0.0 and arms["frozen"]["cotrain_share"] == 0.0
     assert arms["online"]["cotrain_share"] > 0.0  # the online arm trains its draft, in the step
     assert arms["off"]["spec_step_fraction"] == 0.0
@@ -108,3 +110,25 @@ def test_history_arms_draft_from_the_group_and_change_no_update(sft_policy, tmp_
                if r["rollout/spec_verify_steps"])
     assert any(r.get("rollout/eagle3_rows_share", 0) > 0 for r in rows["hybrid"])
     assert e["arms"]["history"]["history_s"] is not None and e["arms"]["hybrid"]["cotrain_share"] > 0
+
+
+def test_a_run_choice_is_reported_with_the_step_it_was_made():
+    """An arm whose engine speculates per run (vLLM) reports whether it kept speculation, the
+    measured ratio and the step of the decision; before it, the report says the choice is pending."""
+    from experiments.bench.rl import report, summarize
+
+    def row(step, choice=None, speedup=None):
+        r = {"step": step, "step_s": 1.0, "rollout_s": 0.5, "perf/update_s": 0.4}
+        if step >= 0:
+            r.update({"rollout/spec_run_choice": choice, "rollout/spec_run_speedup": speedup})
+        return r
+
+    rows = {"off": [{"step": i, "step_s": 1.0, "rollout_s": 0.5, "perf/update_s": 0.4} for i in range(4)],
+            "frozen": [row(0), row(1), row(2, 0, 0.84), row(3, 0, 0.84)]}
+    s = summarize(rows, [(0, 4)], warmup=1)
+    assert s["arms"]["frozen"]["run_choice"] == {"speculate": False, "speedup": 0.84, "decided_at_step": 2}
+    assert "run_choice" not in s["arms"]["off"]
+    lines = report({"preset": "p", "steps": 4, "segment": 4, "warmup_steps": 1, "engines": {"vllm": s}})
+    assert any("switched off at step 2" in x and "x0.840" in x for x in lines)
+    pending = summarize({"off": rows["off"], "frozen": [row(i) for i in range(4)]}, [(0, 4)], warmup=1)
+    assert pending["arms"]["frozen"]["run_choice"]["speculate"] is None

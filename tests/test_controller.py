@@ -305,3 +305,82 @@ def test_vllm_schedule_config_is_checked():
     for bad in (((2, 8, 4),), ((1, 8, 4), (10, 64, 0)), ((1, 8, -1),), ((1, 8),), ((1, 0, 4),)):
         with pytest.raises(VLLMEngineError, match="spec_schedule"):
             VLLMEngineConfig(spec_schedule=bad)
+
+
+def test_run_choice_times_both_blocks_and_keeps_the_faster():
+    """RunChoice: `rollouts` calls speculating, then as many plain, the first of each block left
+    out (it pays the engine's start); the run keeps speculation iff its median tokens/s beats
+    plain's by the margin, and prices a kept chain's saving at the measured plain rate."""
+    from specrl.controller import RunChoice
+
+    def run(spec_rate, plain_rate, first_slow=100.0):
+        choice = RunChoice(3, margin=1.05)
+        arms = []
+        for i in range(8):
+            arm = choice.arm()
+            arms.append(arm)
+            rate = spec_rate if arm == "spec" else plain_rate
+            seconds = 1000 / rate * (first_slow if i in (0, 3) else 1.0)  # a (re)start in the first call
+            choice.record(arm, 1000, seconds)
+        return choice, arms
+
+    keep, arms = run(spec_rate=130.0, plain_rate=100.0)
+    assert arms == ["spec"] * 3 + ["plain"] * 3 + ["spec"] * 2
+    assert keep.speculate is True and keep.speedup() == pytest.approx(1.3)
+    assert keep.saved_s(1300, 10.0) == pytest.approx(3.0)  # plain takes 13 s for 1300 tokens
+    drop, arms = run(spec_rate=102.0, plain_rate=100.0)  # within the margin: plain is kept
+    assert arms == ["spec"] * 3 + ["plain"] * 5 and drop.speculate is False and drop.saved_s(1000, 9.0) == 0.0
+    undecided = RunChoice(3)
+    assert undecided.saved_s(1000, 1.0) is None and undecided.speedup() is None
+    again = RunChoice(3)
+    again.load_state_dict(keep.state_dict())
+    assert again.summary() == keep.summary() and again.arm() == "spec"
+    with pytest.raises(ValueError):
+        RunChoice(1)
+    for bad in (1, -1):
+        with pytest.raises(ValueError, match="run_rollouts"):
+            ControllerConfig(run_rollouts=bad)
+
+
+def test_an_engine_without_a_step_controller_gets_the_run_choice():
+    """The co-trainer hands an adaptive run's decision to an engine that takes no per-step
+    controller but a run choice (vLLM), and warns where the engine takes neither."""
+    import warnings
+
+    from rollout.protocol import DraftReceiver
+    from specrl.config import CoTrainConfig
+    from specrl.cotrain import SpecCoTrainer
+    from specrl.controller import RunChoice
+
+    class Engine:
+        takes_controller = False
+        takes_run_choice = True
+        draft_version = 0
+        draft_faults: list = []
+
+        def __init__(self):
+            self.run_choice, self.installed = None, None
+
+        def choose_per_run(self, choice):
+            self.run_choice = choice
+
+        def install_draft(self, draft, spec, controller=None):
+            self.installed = (draft, controller)
+
+        def push_draft(self, weights, version):
+            pass
+
+        def draft_weights(self):
+            return {}, 0
+
+    assert isinstance(Engine(), DraftReceiver)
+    cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(run_rollouts=4))
+    engine = Engine()
+    co = SpecCoTrainer(object(), cfg).attach(engine)
+    assert isinstance(engine.run_choice, RunChoice) and engine.run_choice is co.run_choice
+    assert engine.run_choice.rollouts == 4 and engine.installed[1] is None and co.controller is None
+    Engine.takes_run_choice = False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        co = SpecCoTrainer(object(), cfg).attach(Engine())
+    assert co.run_choice is None and any("takes no per-step controller" in str(w.message) for w in caught)

@@ -693,3 +693,48 @@ def test_history_drafts_follow_the_exact_law_in_vllm(setup):
     p, past_first = _third_token_fit(policy, prompt, trajs, "history drafts on vLLM, ")
     assert past_first > 0.2
     assert p > 1e-3
+
+
+def test_the_run_choice_restarts_vllm_without_its_drafter_and_back(setup, plain):
+    """With a run choice (specrl.controller.RunChoice decides; here a scripted one), each call
+    decodes as the choice says: vLLM restarts without its drafter for plain calls (no speculative
+    statistics) and with it again afterwards, every call reported to the choice; a draft pushed
+    while vLLM runs plain is the one the next speculating start loads. Greedy tokens equal plain
+    vLLM's in every call."""
+    class Scripted:
+        def __init__(self, arms):
+            self.arms, self.calls = list(arms), []
+
+        def arm(self):
+            return self.arms[len(self.calls)]
+
+        def record(self, arm, tokens, seconds):
+            self.calls.append((arm, tokens, seconds))
+
+        def saved_s(self, tokens, seconds):
+            return None
+
+    prompts = _prompts(setup, 16, seed=5)
+    ref = [t.token_ids for t in plain.generate(prompts, _greedy(setup))]
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16), draft=setup[3], spec=SpecConfig(gamma=GAMMA))
+    choice = Scripted(["spec", "plain", "plain", "spec"])
+    engine.choose_per_run(choice)
+    try:
+        got = []
+        for i in range(4):
+            if i == 2:  # while plain: the worker has no drafter, the engine's copy takes the weights
+                trained, _ = engine.draft_weights()
+                engine.push_draft({k: (torch.randn_like(v) * 0.02 if v.is_floating_point() else v)
+                                   for k, v in trained.items()}, version=1)
+            got.append(engine.generate(prompts, _greedy(setup)))
+            assert [t.token_ids for t in got[-1]] == ref
+            assert engine.speculating == (choice.arms[i] == "spec")
+        assert [arm for arm, _, _ in choice.calls] == choice.arms
+        assert all(n == sum(len(t) for t in ref) and s > 0 for _, n, s in choice.calls)
+        assert all(t.spec is None for t in got[1] + got[2])
+        first, last = (summarize_spec_stats(t.spec for t in got[i])["accept_length"] for i in (0, 3))
+        print(f"run choice on vLLM: accept length {first:.3f} (offline draft), plain, plain, "
+              f"{last:.3f} (random draft pushed while plain)")
+        assert first > 1.5 and last < first - 0.3 and engine.draft_version == 1
+    finally:
+        engine.shutdown()

@@ -197,6 +197,8 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["cotrain_share"] = _median((r.get("perf/feature_capture_s", 0.0) + r.get("perf/draft_train_s", 0.0))
                                      / r["step_s"] for r in rs)
         m["step_speedup"] = _median(r["step_s"] for r in off) / m["step_s"]
+        # every timed step counted, outliers too (an engine restart, the run choice's timed rollouts)
+        m["total_step_speedup"] = sum(r["step_s"] for r in off) / sum(r["step_s"] for r in rs)
         m["rollout_speedup"] = _median(r["rollout_s"] for r in off) / m["rollout_s"]
         m["rollout_share"] = _median(r["rollout_s"] / r["step_s"] for r in rs)
         m["tail_share"] = _median(r["perf/rollout_tail_s"] / r["rollout_s"] for r in rs if "perf/rollout_tail_s" in r)
@@ -216,6 +218,11 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["accept_length_curve"] = [r.get("rollout/spec_accept_length") for r in rows[a]]  # every step, in order
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
+        if any("rollout/spec_run_choice" in r for r in rows[a]):  # an engine that speculates per run (vLLM)
+            decided = [r for r in rows[a] if r.get("rollout/spec_run_choice") is not None]
+            m["run_choice"] = {"speculate": bool(decided[-1]["rollout/spec_run_choice"]) if decided else None,
+                               "speedup": decided[-1].get("rollout/spec_run_speedup") if decided else None,
+                               "decided_at_step": decided[0]["step"] if decided else None}
         for key in ("perf/history_s", "rollout/history_rows_share", "rollout/history_alpha", "rollout/eagle3_alpha"):
             if any(key in r for r in rs):
                 m[key.split("/")[1]] = _median(r.get(key) for r in rs)
@@ -251,14 +258,22 @@ def report(summary: dict) -> list[str]:
                      f"{summary['segment']} (medians over steps {summary['warmup_steps']}+; same updates in every "
                      f"arm: {s['same_updates']})")
         lines.append(f"  {'arm':<13}{'step s':>8}{'rollout s':>10}{'step x':>8}{'rollout x':>10}{'cotrain':>9}"
-                     f"{'spec steps':>11}{'accept':>8}  segment step x (min-max)")
+                     f"{'spec steps':>11}{'accept':>8}{'total x':>9}  segment step x (min-max)")
         for a, m in s["arms"].items():
             seg = m["segment_step_speedups"]
             acc = f"{m['accept_length']:.2f}" if m["accept_length"] else "-"
             spec = f"{m['spec_step_fraction']:.0%}" if m["spec_step_fraction"] is not None else "-"
             spread = f"{min(seg):.3f}-{max(seg):.3f}" if seg else "-"
             lines.append(f"  {a:<13}{m['step_s']:>8.3f}{m['rollout_s']:>10.3f}{m['step_speedup']:>8.3f}"
-                         f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}  {spread}")
+                         f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}"
+                         f"{m['total_step_speedup']:>9.3f}  {spread}")
+        for a, m in s["arms"].items():
+            c = m.get("run_choice")
+            if c is not None:
+                lines.append(f"  {a}: speculation for the run " + (
+                    "not decided yet (its first rollouts are timed)" if c["speculate"] is None else
+                    f"{'kept' if c['speculate'] else 'switched off'} at step {c['decided_at_step']} "
+                    f"(speculating over plain, tokens/s: x{c['speedup']:.3f})"))
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
