@@ -126,8 +126,13 @@ class SpecCoTrainer:
             if not isinstance(trainer, FeatureSource):
                 raise TypeError(f"{type(trainer).__name__} is not a rollout.protocol.FeatureSource")
             layer_ids = tuple(self.draft.cfg.aux_layer_ids)  # = the policy's taps (install_draft checks)
-            trainer.add_feature_hook(layer_ids, self.buffer.logprob_hook(layer_ids, self.draft.d2t,
-                                                                         lambda: self.policy_version))
+            capture = self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version)
+
+            def hook(*args):
+                if not self._plain_for_good():
+                    capture(*args)
+
+            trainer.add_feature_hook(layer_ids, hook)
         sequential = self._overlap is None  # overlapped: the burst is the only window
         if sequential and "tail" in self.config.scheduler.windows and isinstance(engine, IdleWindows):
             engine.step_hooks.append(self._tail_hook)
@@ -151,6 +156,11 @@ class SpecCoTrainer:
     def capture_engine_features(self) -> bool:
         """Pass as generate(capture_features=...) when the engine is a feature source."""
         return self.config.mode == "online" and self.config.feature_source in ("engine", "both")
+
+    def _plain_for_good(self) -> bool:
+        """The run choice kept plain decoding and draft updates are priced: none will ever be
+        paid for, so the trainer's forward captures no features for them."""
+        return self.run_choice is not None and self.run_choice.speculate is False and self.budget.priced
 
     # -- RL loop hooks --------------------------------------------------------------------
     def begin_step(self) -> None:

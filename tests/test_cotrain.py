@@ -351,3 +351,65 @@ def test_hot_swap_keeps_the_controllers_measurements(sft_policy, offline_draft):
     cot.train_draft()
     assert cot.speculator.version == cot.draft_trainer.version > 0  # the swap happened
     assert ctrl.state_dict() == before
+
+
+def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_model):
+    """On an engine that speculates per run (vLLM), once plain decoding is kept a priced online
+    co-trainer earns no credit, so it runs no draft update and its hook in the trainer's forward
+    stops capturing features; before the decision it captures as usual."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specrl.config import CoTrainConfig, DraftTrainConfig
+    from specrl.controller import RunChoice
+    from specrl.cotrain import SpecCoTrainer
+    from specrl.drafts import new_draft
+    from specrl.presets import priced
+
+    class Engine:  # what the co-trainer reads of a per-run engine (rollout.vllm_engine.VLLMEngine)
+        takes_controller, takes_run_choice, draft_version, draft_faults = False, True, 0, []
+
+        def __init__(self):
+            self.run_choice, self.last_stats = None, {}
+
+        def choose_per_run(self, choice):
+            self.run_choice = choice
+
+        def install_draft(self, draft, spec, controller=None):
+            pass
+
+        def push_draft(self, weights, version):
+            pass
+
+        def draft_weights(self):
+            return {}, 0
+
+    class Trainer:
+        def __init__(self):
+            self.hooks = []
+
+        def add_feature_hook(self, layer_ids, hook):
+            self.hooks.append(hook)
+
+    draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
+    engine, trainer = Engine(), Trainer()
+    cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(engine, trainer)
+    assert isinstance(engine.run_choice, RunChoice) and len(trainer.hooks) == 1
+    ids = torch.randint(3, 64, (2, 12))
+    out = tiny_model(ids, tap_layers=draft.cfg.aux_layer_ids)
+    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask[:, 6:] = True
+    trainer.hooks[0](ids, out, mask)
+    assert len(cot.buffer) > 0  # undecided: captured
+    captured = len(cot.buffer)
+    choice = engine.run_choice
+    for arm in ["spec"] * 3 + ["plain"] * 3:
+        choice.record(arm, 1000, 10.0 if arm == "spec" else 9.0)  # speculating is the slower
+    assert choice.speculate is False
+    engine.last_stats = {"spec_saved_s": choice.saved_s(1000, 9.0)}
+    cot.begin_step()
+    cot.on_rollout([SimpleNamespace(spec=None)])
+    trainer.hooks[0](ids, out, mask)
+    assert len(cot.buffer) == captured  # plain for good and priced: nothing captured
+    assert cot.budget.steps(8) == 0 and cot.metrics()["rollout/spec_run_choice"] == 0
