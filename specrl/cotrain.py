@@ -103,7 +103,8 @@ class SpecCoTrainer:
             rollouts = self.config.controller.run_rollouts
             if getattr(engine, "takes_run_choice", False) and rollouts:
                 # vLLM: speculation on or off for the whole run, timed on its first rollouts
-                self.run_choice = RunChoice(rollouts, self.config.controller.margin)
+                c = self.config.controller
+                self.run_choice = RunChoice(rollouts, c.run_warmup, c.margin)
                 engine.choose_per_run(self.run_choice)
             else:
                 warnings.warn(f"{type(engine).__name__} takes no per-step controller: CoTrainConfig.adaptive is not "

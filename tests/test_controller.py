@@ -308,38 +308,40 @@ def test_vllm_schedule_config_is_checked():
 
 
 def test_run_choice_times_both_blocks_and_keeps_the_faster():
-    """RunChoice: `rollouts` calls speculating, then as many plain, the first of each block left
-    out (it pays the engine's start); the run keeps speculation iff its median tokens/s beats
-    plain's by the margin, and prices a kept chain's saving at the measured plain rate."""
+    """RunChoice: `warmup + rollouts` calls speculating, then as many plain, the first `warmup`
+    of each block left out (they pay the engine's start); the run keeps speculation iff its median
+    tokens/s beats plain's by the margin, and prices a kept chain's saving at the measured plain rate."""
     from specrl.controller import RunChoice
 
-    def run(spec_rate, plain_rate, first_slow=100.0):
-        choice = RunChoice(3, margin=1.05)
+    def run(spec_rate, plain_rate, slow=3.0):
+        choice = RunChoice(2, warmup=2, margin=1.05)
         arms = []
-        for i in range(8):
+        for i in range(10):
             arm = choice.arm()
             arms.append(arm)
             rate = spec_rate if arm == "spec" else plain_rate
-            seconds = 1000 / rate * (first_slow if i in (0, 3) else 1.0)  # a (re)start in the first call
+            warming = i in (0, 1, 4, 5)  # just (re)started: slow, the plain block slower
+            seconds = 1000 / rate * ((slow if arm == "spec" else 2 * slow) if warming else 1.0)
             choice.record(arm, 1000, seconds)
         return choice, arms
 
     keep, arms = run(spec_rate=130.0, plain_rate=100.0)
-    assert arms == ["spec"] * 3 + ["plain"] * 3 + ["spec"] * 2
+    assert arms == ["spec"] * 4 + ["plain"] * 4 + ["spec"] * 2
     assert keep.speculate is True and keep.speedup() == pytest.approx(1.3)
     assert keep.saved_s(1300, 10.0) == pytest.approx(3.0)  # plain takes 13 s for 1300 tokens
     drop, arms = run(spec_rate=102.0, plain_rate=100.0)  # within the margin: plain is kept
-    assert arms == ["spec"] * 3 + ["plain"] * 5 and drop.speculate is False and drop.saved_s(1000, 9.0) == 0.0
+    assert arms == ["spec"] * 4 + ["plain"] * 6 and drop.speculate is False and drop.saved_s(1000, 9.0) == 0.0
+    assert drop.rates["spec"] == pytest.approx([102.0] * 2) and drop.rates["plain"] == pytest.approx([100.0] * 2)  # no warm-up call
     undecided = RunChoice(3)
     assert undecided.saved_s(1000, 1.0) is None and undecided.speedup() is None
-    again = RunChoice(3)
+    again = RunChoice(2, warmup=2)
     again.load_state_dict(keep.state_dict())
     assert again.summary() == keep.summary() and again.arm() == "spec"
     with pytest.raises(ValueError):
-        RunChoice(1)
-    for bad in (1, -1):
+        RunChoice(1, warmup=0)
+    for bad in ({"run_rollouts": -1}, {"run_warmup": 0}):
         with pytest.raises(ValueError, match="run_rollouts"):
-            ControllerConfig(run_rollouts=bad)
+            ControllerConfig(**bad)
 
 
 def test_an_engine_without_a_step_controller_gets_the_run_choice():
@@ -374,11 +376,11 @@ def test_an_engine_without_a_step_controller_gets_the_run_choice():
             return {}, 0
 
     assert isinstance(Engine(), DraftReceiver)
-    cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(run_rollouts=4))
+    cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(run_rollouts=4, run_warmup=2))
     engine = Engine()
     co = SpecCoTrainer(object(), cfg).attach(engine)
     assert isinstance(engine.run_choice, RunChoice) and engine.run_choice is co.run_choice
-    assert engine.run_choice.rollouts == 4 and engine.installed[1] is None and co.controller is None
+    assert (engine.run_choice.rollouts, engine.run_choice.warmup) == (4, 2) and engine.installed[1] is None and co.controller is None
     Engine.takes_run_choice = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

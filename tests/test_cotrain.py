@@ -404,7 +404,7 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
     assert len(cot.buffer) > 0  # undecided: captured
     captured = len(cot.buffer)
     choice = engine.run_choice
-    for arm in ["spec"] * 3 + ["plain"] * 3:
+    for arm in ["spec"] * 6 + ["plain"] * 6:  # the default 3 rollouts after 3 left out, per block
         choice.record(arm, 1000, 10.0 if arm == "spec" else 9.0)  # speculating is the slower
     assert choice.speculate is False
     engine.last_stats = {"spec_saved_s": choice.saved_s(1000, 9.0)}
