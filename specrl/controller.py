@@ -34,10 +34,13 @@ Exploration is deterministic: until plain decoding and the anchors of a bucket h
 `reset_acceptance`), they are tried in a fixed round-robin. Afterwards one non-chosen arm,
 rotating, is re-measured `explore_every` decisions after the decision last changed, and each
 re-measurement that leaves the decision as it was doubles the wait for the next, up to
-`explore_backoff` times explore_every: exploration costs at most 1 / explore_every of the
-steps, and less the longer a decision holds. A speculative re-measurement in a bucket that decodes plainly is dear (the
-draft catches up over every position it missed since its last step), and what drifts in RL,
-acceptance, reaches every bucket through alpha without it.
+`explore_backoff` times explore_every: exploration costs at most 3 / explore_every of the
+steps, and less the longer a decision holds. A re-measurement plays its arm for three steps,
+whose median replaces the arm's estimate (`_StepTime.renew`). While a chain is played, every
+other re-measurement is plain decoding's: plain is what every decision is weighed against, and
+nothing else refreshes it. A speculative re-measurement in a bucket that decodes plainly is
+dear (the draft catches up over every position it missed since its last step), and what drifts
+in RL, acceptance, reaches every bucket through alpha without it.
 """
 from __future__ import annotations
 
