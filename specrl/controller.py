@@ -96,20 +96,23 @@ class _Ema:
 
 
 class _StepTime(_Ema):
-    """Seconds per step of one arm: an EMA of the median of its last three measured steps (their
-    minimum while fewer are in). A step the OS preempts, or one that carries an admission's
-    prefill, is an isolated long sample, not a property of the arm. Fed to the EMA as it was,
-    one 4x step moved the estimate up by 60%, and an arm that looks slower is re-measured only
-    once per `explore_every` decisions, so it stayed abandoned (test_controller). A lasting
-    change passes the filter from its second step on.
+    """Seconds per step of one arm: an EMA of the median of its last five measured steps (the
+    lower median while fewer are in). A step the OS preempts, or one that carries an admission's
+    prefill, is a long sample, not a property of the arm. Fed to the EMA as it was, one 4x step
+    moved the estimate up by 60%, and an arm that looks slower is re-measured only once per
+    `explore_every` decisions, so it stayed abandoned (test_controller). Such steps come in twos
+    as well: on `drift`, plain steps at batch 64 of 4.8 ms were followed by two of 9.2 and 7.5 ms,
+    which a median of three passed, and the controller left plain decoding for chains on them.
+    A lasting change passes the filter from its third step on.
 
     A re-measurement (`renew`) is different: the arm was not played for a while, so its old
-    samples are stale, not evidence. Its next WINDOW samples are taken alone and their median
+    samples are stale, not evidence. Its next RENEW samples are taken alone and their median
     replaces the estimate. Fed to the EMA instead, a spell of slow plain steps on `drift` left
     plain decoding's estimate 45% high for 19 rollouts, re-measured two samples at a time."""
 
     __slots__ = ("recent", "renewing")
-    WINDOW = 3
+    WINDOW = 5
+    RENEW = 3
 
     def __init__(self, value: float = 0.0, n: int = 0, mass: float | None = None, recent=(), renewing=False):
         super().__init__(value, n, mass)
@@ -123,11 +126,11 @@ class _StepTime(_Ema):
         self.recent = (self.recent + [float(x)])[-self.WINDOW:]
         ordered = sorted(self.recent)
         if self.renewing:
-            if len(ordered) == self.WINDOW:
+            if len(ordered) == self.RENEW:
                 self.renewing = False
-                super().update(ordered[1], 1.0, mass)
+                super().update(ordered[(self.RENEW - 1) // 2], 1.0, mass)
             return
-        super().update(ordered[1] if len(ordered) == self.WINDOW else ordered[0], w, mass)
+        super().update(ordered[(len(ordered) - 1) // 2], w, mass)
 
     def state(self) -> list:
         return [*super().state(), list(self.recent), self.renewing]
@@ -256,9 +259,9 @@ class SpeculationController:
                 # every decision is made against it, and nothing else refreshes it
             else:
                 arm = others[(b.rotate // 2 if best != 0 else b.rotate - 1) % len(others)]
-            # _StepTime.WINDOW steps in a row, whose median replaces the arm's stale estimate
+            # _StepTime.RENEW steps in a row, whose median replaces the arm's stale estimate
             (b.plain if arm == 0 else b.spec[arm]).renew()
-            b.re_arm, b.re_left = arm, _StepTime.WINDOW - 1
+            b.re_arm, b.re_left = arm, _StepTime.RENEW - 1
             return arm
         return best
 
