@@ -166,6 +166,7 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         self.max_len = self.config.max_len or model.cfg.max_seq_len
         self.speculator = speculator  # rollout.speculative.Speculator or None (plain decoding)
+        self.run_choice = None  # speculate or not per rollout, measured (choose_per_run)
         self.compiled = CompiledForwards(model) if self.config.compile_forwards else None  # rollout.compiled
         if speculator is not None:
             speculator.check_target(model)
@@ -185,6 +186,13 @@ class EmbeddedEngine:
     # -- protocol -------------------------------------------------------------------------
     captures_features = True  # generate(capture_features=True) fills Trajectory.features
     takes_controller = True  # install_draft(controller=...): adaptive speculation per engine step
+    takes_run_choice = True  # choose_per_run: speculate or not per rollout, from whole rollouts' speed
+
+    def choose_per_run(self, choice) -> None:
+        """Speculate or decode plainly as `choice` (specrl.controller.RunChoice) says before each
+        generate() call, and report each call to it, with the speculative session's estimate of
+        the time it saved. A plain call runs without the speculator; nothing restarts."""
+        self.run_choice = choice
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
@@ -232,7 +240,9 @@ class EmbeddedEngine:
         self._seed_generator(params.seed, request_ids)
         n_decode = min(self.config.max_batch, len(states))  # sequences decoded per step, at most
         n_slots = min(self.config.max_batch + self.config.prefill_ahead, len(states))  # KV-cache slots
-        spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None else None
+        choice = self.run_choice if self.speculator is not None else None
+        arm = choice.arm() if choice is not None else "spec"
+        spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None and arm == "spec" else None
         slack = self.speculator.block_slack() if spec is not None else 0
         cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
                                   self.model.embed_tokens.weight.dtype)
@@ -258,6 +268,7 @@ class EmbeddedEngine:
                 active = self._decoding(slots, n_decode)
             if active:
                 act_states = [slots[i] for i in active]
+                context = sum(s.n_cached for s in act_states) / len(act_states)  # step times grow with it
                 t_step = time.perf_counter()
                 prof = self.profiler
                 if spec is not None and spec.should_speculate(len(active)):
@@ -267,7 +278,8 @@ class EmbeddedEngine:
                     lengths = [s.n_cached for s in act_states]  # to roll back to after a fault (host values)
                     try:
                         result = self._spec_step(run, active, act_states, prefill)
-                        spec.observe(len(active), time.perf_counter() - t_step, result, fused=prefill is not None)
+                        spec.observe(len(active), time.perf_counter() - t_step, result, fused=prefill is not None,
+                                     context=context)
                         kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
                         cache.rollback(*upload(active, lengths, device=cache.lengths.device))
@@ -281,7 +293,8 @@ class EmbeddedEngine:
                         prof.begin("plain", len(active), prefill is not None)
                     self._decode_step(run, active, act_states, prefill)
                     if spec is not None:
-                        spec.observe(len(active), time.perf_counter() - t_step, None, fused=prefill is not None)
+                        spec.observe(len(active), time.perf_counter() - t_step, None, fused=prefill is not None,
+                                     context=context)
                     if prof is not None:
                         prof.end()
                 steps += 1
@@ -297,6 +310,10 @@ class EmbeddedEngine:
                            "engine_steps": steps, "spec_steps": spec_steps, "full_batch_s": phase_s["full"],
                            "tail_s": phase_s["tail"], "spec_faults": int(spec is not None and spec.faulted),
                            "spec_saved_s": spec.saved_s if spec is not None else None}
+        if choice is not None:
+            choice.record(arm, n_tokens, wall, spec.saved_s if spec is not None else None)
+            if spec is None and choice.speculate is False:
+                self.last_stats["spec_saved_s"] = 0.0  # plain decoding chosen: speculation saves nothing
         if capture_features:
             settle(self.device)  # the features' copies to the host (`download`) have landed
         return [self._to_trajectory(s, capture_features) for s in states]

@@ -151,10 +151,12 @@ class SpecSession:
         ctrl = self.spec.controller
         return ctrl.gamma_for_step() if ctrl is not None else self.cfg.gamma
 
-    def observe(self, n_active: int, seconds: float, result: dict | None, fused: bool = False) -> None:
-        """Feed the step's measured time and acceptance to the controller, if any. A step that
-        carried new requests' prefill (`fused`) took longer than its decoding alone, whichever
-        arm it played: its time is left out (its acceptance is kept)."""
+    def observe(self, n_active: int, seconds: float, result: dict | None, fused: bool = False,
+                context: float | None = None) -> None:
+        """Feed the step's measured time and acceptance to the controller, if any, with `context`,
+        the mean cached tokens per active sequence before the step. A step that carried new
+        requests' prefill (`fused`) took longer than its decoding alone, whichever arm it played:
+        its time is left out (its acceptance is kept)."""
         ctrl = self.spec.controller
         if ctrl is None:
             return
@@ -162,13 +164,13 @@ class SpecSession:
             seconds = None
         if result is None:
             if seconds is not None:
-                ctrl.observe_plain(n_active, seconds)
+                ctrl.observe_plain(n_active, seconds, context)
             return
         plain = ctrl.plain_seconds(n_active)
         if plain is not None and seconds is not None:
             self.saved_s += result["tokens_per_seq"] * plain - seconds
         ctrl.observe_spec(n_active, result["gamma"], seconds, result["tokens_per_seq"], result["accepted"],
-                          result["drafted"])
+                          result["drafted"], context)
 
     def on_fault(self, err: Exception) -> None:
         """A draft-side failure: plain decoding for the rest of this generate() call; the next

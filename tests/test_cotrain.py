@@ -413,3 +413,38 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
     trainer.hooks[0](ids, out, mask)
     assert len(cot.buffer) == captured  # plain for good and priced: nothing captured
     assert cot.budget.steps(8) == 0 and cot.metrics()["rollout/spec_run_choice"] == 0
+
+
+def test_the_embedded_engine_speculates_or_not_per_rollout_as_its_run_choice_says(sft_policy, offline_draft):
+    """An adaptive co-trainer hands the embedded engine a RunChoice above its per-step controller
+    (re-checked, with the controller's estimate as a shortcut). The engine runs a plain call
+    without its speculator, reports every call with the controller's estimate of what
+    speculation saved, and follows the choice once made; greedy tokens are plain decoding's in
+    every call."""
+    import copy
+
+    from specrl.config import ControllerConfig
+    from specrl.controller import RunChoice
+    from specrl.rl_setup import encode_prompts
+
+    tokenizer, task, policy, _ = sft_policy
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=8))
+    cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(gammas=(1, 2, 4), run_recheck=7))
+    cot = SpecCoTrainer(copy.deepcopy(offline_draft), cfg).attach(engine)
+    choice = engine.run_choice
+    assert isinstance(choice, RunChoice) and choice is cot.run_choice and cot.controller is not None
+    assert (choice.recheck, choice.sure, choice.warmup) == (7, 1.25, 3)
+    engine.choose_per_run(choice := RunChoice(1, warmup=0, margin=1.05, recheck=7, sure=None))  # one call per block
+    prompts = encode_prompts(tokenizer, task.examples("heldout", 8, 2))
+    params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
+    want = [t.token_ids for t in EmbeddedEngine(policy, EngineConfig(max_batch=8)).generate(prompts, params)]
+    arms = []
+    for _ in range(3):
+        arms.append(choice.arm())
+        got = [t.token_ids for t in engine.generate(prompts, params)]
+        assert got == want
+        spec_steps = engine.last_stats["spec_steps"]
+        assert (spec_steps > 0) == (arms[-1] == "spec"), (arms, spec_steps)
+    assert arms[:2] == ["spec", "plain"] and choice.speculate is not None and choice.calls == 3
+    assert choice.estimated and choice.estimated[0] is not None  # the controller's estimate reached it
+    assert arms[2] == ("spec" if choice.speculate else "plain")

@@ -218,11 +218,14 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["accept_length_curve"] = [r.get("rollout/spec_accept_length") for r in rows[a]]  # every step, in order
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
-        if any("rollout/spec_run_choice" in r for r in rows[a]):  # an engine that speculates per run (vLLM)
+        if any("rollout/spec_run_choice" in r for r in rows[a]):  # speculation chosen per rollout (RunChoice)
             decided = [r for r in rows[a] if r.get("rollout/spec_run_choice") is not None]
             m["run_choice"] = {"speculate": bool(decided[-1]["rollout/spec_run_choice"]) if decided else None,
                                "speedup": decided[-1].get("rollout/spec_run_speedup") if decided else None,
-                               "decided_at_step": decided[0]["step"] if decided else None}
+                               "decided_at_step": decided[0]["step"] if decided else None,
+                               # a re-check that changed the choice (embedded engine)
+                               "changed_at_steps": [r["step"] for p, r in zip(decided, decided[1:])
+                                                    if r["rollout/spec_run_choice"] != p["rollout/spec_run_choice"]]}
         for key in ("perf/history_s", "rollout/history_rows_share", "rollout/history_alpha", "rollout/eagle3_alpha"):
             if any(key in r for r in rs):
                 m[key.split("/")[1]] = _median(r.get(key) for r in rs)
@@ -272,8 +275,12 @@ def report(summary: dict) -> list[str]:
             if c is not None:
                 lines.append(f"  {a}: speculation for the run " + (
                     "not decided yet (its first rollouts are timed)" if c["speculate"] is None else
-                    f"{'kept' if c['speculate'] else 'switched off'} at step {c['decided_at_step']} "
-                    f"(speculating over plain, tokens/s: x{c['speedup']:.3f})"))
+                    f"{'kept' if c['speculate'] == (len(c.get('changed_at_steps', ())) % 2 == 0) else 'switched off'}"
+                    f" at step {c['decided_at_step']}" +
+                    (f", changed at steps {c['changed_at_steps']}, {'on' if c['speculate'] else 'off'} at the end"
+                     if c.get("changed_at_steps") else "") +
+                    (" (speculating over plain, tokens/s: " +
+                     (f"x{c['speedup']:.3f})" if c["speedup"] is not None else "not timed: the estimate was sure)"))))
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
