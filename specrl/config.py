@@ -274,8 +274,9 @@ class ControllerConfig:
     (specrl.controller.RunChoice): above the per-step controller on the embedded engine, instead
     of it on vLLM 0.32, which cannot switch its drafter off step by step; 0: no such choice."""
     run_warmup: int = 3
-    """Rollouts left out at the start of each of those blocks (vLLM: after its restart; embedded:
-    while the per-step controller explores)."""
+    """Rollouts played but not timed at the start of each of those blocks on vLLM (after its
+    restart), of the first block only on the embedded engine (while its per-step controller
+    explores)."""
     run_recheck: int = 10
     """Embedded engine: rollouts after a run choice before the other arm is timed again, doubling
     while the choice holds (up to 8x); 0: the first choice is final (always so on vLLM)."""

@@ -504,12 +504,14 @@ class RunChoice:
     the per-step one. On vLLM 0.32, which cannot switch its drafter off step by step, it is the
     only one (a switch there is a restart without the drafter).
 
-    The first `warmup + rollouts` generate() calls speculate, the next as many decode plainly;
-    the first `warmup` calls of each block are left out (on vLLM they pay the restart: a
-    restarted engine's first rollouts measured up to 25% slower than later ones; the embedded
-    engine switches for free and uses 0). The choice is then to speculate iff the median tokens
-    per second of the last `rollouts` speculating calls is at least `margin` times the plain
-    calls'. Tokens per second, not seconds per call: the calls hold different prompts.
+    The first `warmup + rollouts` generate() calls speculate, the next `rollouts` decode plainly,
+    the first `warmup` calls being played but not timed. With `rewarm` every block starts with
+    `warmup` such calls: on vLLM each block follows a restart, and a restarted engine's first
+    rollouts measured up to 25% slower than later ones. The embedded engine switches for free;
+    only its first block waits, while the per-step controller explores. The choice is then to
+    speculate iff the median tokens per second of the last `rollouts` speculating calls is at
+    least `margin` times the plain calls'. Tokens per second, not seconds per call: the calls
+    hold different prompts.
 
     Shortcut: where the engine estimates the saving of each speculating call (the embedded
     engine's controller does, from its step times) and every timed call of a speculating block
@@ -527,25 +529,28 @@ class RunChoice:
     BACKOFF = 8
 
     def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05, recheck: int = 0,
-                 sure: float | None = None):
+                 sure: float | None = None, rewarm: bool = True):
         if rollouts < 1 or warmup < 0 or recheck < 0:
             raise ValueError(f"RunChoice needs rollouts >= 1, warmup >= 0 and recheck >= 0, got {rollouts}, "
                              f"{warmup}, {recheck}")
         self.rollouts, self.warmup, self.margin = int(rollouts), int(warmup), float(margin)
-        self.recheck, self.sure = int(recheck), sure
+        self.recheck, self.sure, self.rewarm = int(recheck), sure, bool(rewarm)
         self.rates: dict[str, list[float]] = {"spec": [], "plain": []}  # the last `rollouts` timed calls per arm
         self.estimated: list[float] = []  # the engine's speed-up estimates of the last timed speculating calls
         self.calls = 0
         self.speculate: bool | None = None  # the choice, once both arms are timed (or the estimate is sure)
-        block = self.warmup + self.rollouts
-        self.queue = ["spec"] * block + ["plain"] * block  # the arms of the calls still to time, in order
-        self.pos = 0  # calls into the current timed block
+        self.chosen_speedup: float | None = None  # speedup() when the choice was last made
+        # the calls still to time, in order: (arm, timed); a warm-up call is played, not timed
+        self.queue = self._block("spec", self.warmup) + self._block("plain", self.warmup if self.rewarm else 0)
         self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
+
+    def _block(self, arm: str, warmup: int) -> list:
+        return [(arm, False)] * warmup + [(arm, True)] * self.rollouts
 
     def arm(self) -> str:
         """"spec" or "plain": how the next generate() call decodes."""
         if self.queue:
-            return self.queue[0]
+            return self.queue[0][0]
         return "spec" if self.speculate else "plain"
 
     def record(self, arm: str, tokens: int, seconds: float, est_saved_s: float | None = None) -> None:
@@ -553,17 +558,14 @@ class RunChoice:
         engine's estimate of the seconds speculation saved in it (None: not estimated)."""
         self.calls += 1
         timing = bool(self.queue)
-        timed = not timing or self.pos >= self.warmup
-        if timing:
-            self.queue.pop(0)
-            self.pos = 0 if not self.queue or self.queue[0] != arm else self.pos + 1
+        timed = self.queue.pop(0)[1] if timing else True
         if timed and seconds > 0:
             self.rates[arm] = (self.rates[arm] + [tokens / seconds])[-self.rollouts:]
             if arm == "spec":
                 est = None if est_saved_s is None else (seconds + est_saved_s) / seconds
                 self.estimated = (self.estimated + [est])[-self.rollouts:]
         if timing:
-            if self._sure() and "plain" in self.queue and self.queue[0] == "plain":
+            if self.queue and self.queue[0][0] == "plain" and self._sure():
                 self.queue = []  # speculation estimated well above plain: nothing to time against
             if not self.queue:
                 self._choose()
@@ -574,8 +576,7 @@ class RunChoice:
             if self.speculate and self._sure():  # still far above plain: no block of plain calls
                 self.interval = min(2 * self.interval, self.BACKOFF * self.recheck)
                 return
-            self.queue = ["plain" if self.speculate else "spec"] * (self.warmup + self.rollouts)
-            self.pos = 0
+            self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
 
     def _sure(self) -> bool:
         e = self.estimated
@@ -588,7 +589,7 @@ class RunChoice:
         if self.speculate is not None:  # a re-check: one that changes nothing doubles the wait
             same = choice == self.speculate
             self.interval = min(2 * self.interval, self.BACKOFF * self.recheck) if same else self.recheck
-        self.speculate, self.since = choice, 0
+        self.speculate, self.chosen_speedup, self.since = choice, speedup, 0
 
     def speedup(self) -> float | None:
         """Median speculating over median plain tokens per second (None until both are timed)."""
@@ -609,24 +610,28 @@ class RunChoice:
         return tokens / statistics.median(self.rates["plain"]) - seconds
 
     def summary(self) -> dict:
-        return {"speculate": self.speculate, "speedup": self.speedup(), "rollouts": self.rollouts,
+        return {"speculate": self.speculate, "speedup": self.chosen_speedup, "rollouts": self.rollouts,
                 "warmup": self.warmup, "calls": self.calls, "tokens_per_s": {k: list(v) for k, v in self.rates.items()},
                 "estimated_speedup": list(self.estimated)}
 
     def state_dict(self) -> dict:
-        # rollouts, warmup, margin, recheck and sure come from the config
+        # rollouts, warmup, margin, recheck, sure and rewarm come from the config
         return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
-                "estimated": list(self.estimated), "queue": list(self.queue), "pos": self.pos,
-                "since": self.since, "interval": self.interval}
+                "chosen_speedup": self.chosen_speedup, "estimated": list(self.estimated),
+                "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval}
 
     def load_state_dict(self, state: dict) -> None:
         self.calls, self.speculate = int(state["calls"]), state["speculate"]
         self.rates = {k: [float(x) for x in v] for k, v in state["rates"].items()}
         self.estimated = list(state.get("estimated", []))
-        # states saved before re-checks: an undecided choice re-times both blocks, a decided one is final
-        self.queue = list(state.get("queue", [] if self.speculate is not None else self.queue))
-        self.pos, self.since = int(state.get("pos", 0)), int(state.get("since", 0))
-        self.interval = int(state.get("interval", self.recheck))
+        self.chosen_speedup = state.get("chosen_speedup", self.speedup() if self.speculate is not None else None)
+        if "queue" in state:
+            self.queue = [(str(a), bool(t)) for a, t in state["queue"]]
+        elif self.speculate is not None:  # saved before re-checks (vLLM): the choice is final
+            self.queue = []
+        else:  # saved while timing, before re-checks: time both blocks again
+            self.rates = {"spec": [], "plain": []}
+        self.since, self.interval = int(state.get("since", 0)), int(state.get("interval", self.recheck))
 
 
 def batch_schedule(speedups: dict[int, float], gamma: int, max_batch: int, margin: float = 1.05) -> list[tuple]:

@@ -103,7 +103,8 @@ class SpecCoTrainer:
         if self.controller is not None and getattr(engine, "takes_controller", False):
             if getattr(engine, "takes_run_choice", False) and c.run_rollouts:
                 # above the per-step controller: speculate or not per rollout, from whole rollouts' speed
-                self.run_choice = RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure)
+                self.run_choice = RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure,
+                                            rewarm=False)
                 engine.choose_per_run(self.run_choice)
         elif self.controller is not None:
             if getattr(engine, "takes_run_choice", False) and c.run_rollouts:
@@ -203,7 +204,7 @@ class SpecCoTrainer:
         if self.run_choice is not None:  # 1/0 once decided, None while the first rollouts are timed
             self._rollout_metrics["rollout/spec_run_choice"] = (None if self.run_choice.speculate is None
                                                                 else int(self.run_choice.speculate))
-            self._rollout_metrics["rollout/spec_run_speedup"] = self.run_choice.speedup()
+            self._rollout_metrics["rollout/spec_run_speedup"] = self.run_choice.chosen_speedup
         self._faults_seen = len(self.engine.draft_faults)
         if self.history is not None:  # per-source acceptance of this rollout, then its answers join the history
             self._rollout_metrics.update(self.history.metrics())

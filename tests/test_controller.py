@@ -415,6 +415,9 @@ def test_a_run_choice_sure_of_its_estimate_times_no_plain_rollouts():
     assert arms == ["spec"] * 5 + ["plain"] * 5 and near.speculate is True and near.speedup() == pytest.approx(1.7)
     blind = RunChoice(3, warmup=2, margin=1.05, recheck=4, sure=1.25)
     assert play(blind, fast, None, calls=10) == ["spec"] * 5 + ["plain"] * 5
+    free = RunChoice(3, warmup=2, margin=1.05, recheck=4, sure=1.25, rewarm=False)  # switching costs nothing
+    assert play(free, fast, None, calls=8) == ["spec"] * 5 + ["plain"] * 3 and free.speculate is True
+    assert free.chosen_speedup == pytest.approx(1.7)
 
 
 def test_a_run_choice_is_re_checked_and_follows_a_change():

@@ -433,7 +433,7 @@ def test_the_embedded_engine_speculates_or_not_per_rollout_as_its_run_choice_say
     cot = SpecCoTrainer(copy.deepcopy(offline_draft), cfg).attach(engine)
     choice = engine.run_choice
     assert isinstance(choice, RunChoice) and choice is cot.run_choice and cot.controller is not None
-    assert (choice.recheck, choice.sure, choice.warmup) == (7, 1.25, 3)
+    assert (choice.recheck, choice.sure, choice.warmup, choice.rewarm) == (7, 1.25, 3, False)
     engine.choose_per_run(choice := RunChoice(1, warmup=0, margin=1.05, recheck=7, sure=None))  # one call per block
     prompts = encode_prompts(tokenizer, task.examples("heldout", 8, 2))
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
