@@ -549,3 +549,12 @@ def test_step_times_are_compared_at_one_context():
     assert ctrl.exploited(64) == 0
     s = ctrl.summary()["buckets"][64]
     assert max(s["speedup"].values()) < 0.95, s["speedup"]
+    state = ctrl.state_dict()  # the growth rate and the bucket's last context are checkpointed
+    again = SpeculationController(ControllerConfig(gammas=(1, 6)))
+    again.load_state_dict(state)
+    assert again.state_dict() == state and again.buckets[64].growth.k == b.growth.k > 0
+    for bs in state["buckets"].values():  # saved before the growth model: k = 0, no context
+        del bs["growth"], bs["context"]
+    old = SpeculationController(ControllerConfig(gammas=(1, 6)))
+    old.load_state_dict(state)
+    assert old.buckets[64].growth.k == 0.0 and old.plain_seconds(64) == pytest.approx(b.plain.value)
