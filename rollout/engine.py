@@ -268,7 +268,8 @@ class EmbeddedEngine:
                 active = self._decoding(slots, n_decode)
             if active:
                 act_states = [slots[i] for i in active]
-                context = sum(s.n_cached for s in act_states) / len(act_states)  # step times grow with it
+                # the controller's step times grow with the context (not needed without speculation)
+                context = sum(s.n_cached for s in act_states) / len(act_states) if spec is not None else None
                 t_step = time.perf_counter()
                 prof = self.profiler
                 if spec is not None and spec.should_speculate(len(active)):

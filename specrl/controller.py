@@ -130,13 +130,13 @@ class _StepTime(_Ema):
 
     def update(self, x: float, w: float, mass: float = 1.0) -> None:
         self.recent = (self.recent + [float(x)])[-self.WINDOW:]
-        ordered = sorted(self.recent)
         if self.renewing:
             if len(self.recent) == self.SETTLE + self.RENEW:
                 self.renewing = False
                 settled = sorted(self.recent[self.SETTLE:])
                 super().update(settled[(self.RENEW - 1) // 2], 1.0, mass)
             return
+        ordered = sorted(self.recent)
         super().update(ordered[(len(ordered) - 1) // 2], w, mass)
 
     def state(self) -> list:

@@ -100,24 +100,22 @@ class SpecCoTrainer:
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
         c = self.config.controller
-        if self.controller is not None and getattr(engine, "takes_controller", False):
-            if getattr(engine, "takes_run_choice", False) and c.run_rollouts:
-                # above the per-step controller: speculate or not per rollout, from whole rollouts' speed
-                self.run_choice = RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure,
-                                            rewarm=False)
+        if self.controller is not None:
+            per_step = getattr(engine, "takes_controller", False)
+            per_run = getattr(engine, "takes_run_choice", False)
+            if per_run and c.run_rollouts:
+                # speculate or not per rollout, from whole rollouts' speed: above the per-step
+                # controller (the embedded engine: a switch is free, so re-checked), or instead of it
+                # (vLLM: a switch is a restart, so the first choice is final)
+                self.run_choice = (RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure,
+                                             rewarm=False) if per_step else RunChoice(c.run_rollouts, c.run_warmup, c.margin))
                 engine.choose_per_run(self.run_choice)
-        elif self.controller is not None:
-            if getattr(engine, "takes_run_choice", False) and c.run_rollouts:
-                # vLLM: speculation on or off for the whole run, timed on its first rollouts; a
-                # switch is a restart, so the first choice is final
-                self.run_choice = RunChoice(c.run_rollouts, c.run_warmup, c.margin)
-                engine.choose_per_run(self.run_choice)
-            else:
-                how = ("ControllerConfig.run_rollouts is 0" if getattr(engine, "takes_run_choice", False)
-                       else "nor a choice per run")
+            elif not per_step:
+                how = "ControllerConfig.run_rollouts is 0" if per_run else "nor a choice per run"
                 warnings.warn(f"{type(engine).__name__} takes no per-step controller ({how}): it speculates on "
                               f"every step, as CoTrainConfig.spec says", RuntimeWarning)
-            self.controller = None
+            if not per_step:
+                self.controller = None
         if self.history is None or not hasattr(engine, "install_history"):
             engine.install_draft(self.draft, self.config.spec, controller=self.controller)
         if self.history is not None:  # who drafts: rollout.history (vLLM: in its worker, rollout.vllm_history)

@@ -272,15 +272,18 @@ def report(summary: dict) -> list[str]:
                          f"{m['total_step_speedup']:>9.3f}  {spread}")
         for a, m in s["arms"].items():
             c = m.get("run_choice")
-            if c is not None:
-                lines.append(f"  {a}: speculation for the run " + (
-                    "not decided yet (its first rollouts are timed)" if c["speculate"] is None else
-                    f"{'kept' if c['speculate'] == (len(c.get('changed_at_steps', ())) % 2 == 0) else 'switched off'}"
-                    f" at step {c['decided_at_step']}" +
-                    (f", changed at steps {c['changed_at_steps']}, {'on' if c['speculate'] else 'off'} at the end"
-                     if c.get("changed_at_steps") else "") +
-                    (" (speculating over plain, tokens/s: " +
-                     (f"x{c['speedup']:.3f})" if c["speedup"] is not None else "not timed: the estimate was sure)"))))
+            if c is None:
+                continue
+            if c["speculate"] is None:
+                lines.append(f"  {a}: speculation for the run not decided yet (its first rollouts are timed)")
+                continue
+            changes = c.get("changed_at_steps") or []
+            first = c["speculate"] if len(changes) % 2 == 0 else not c["speculate"]  # each change flips it
+            line = f"  {a}: speculation for the run {'kept' if first else 'switched off'} at step {c['decided_at_step']}"
+            if changes:
+                line += f", changed at steps {changes}, {'on' if c['speculate'] else 'off'} at the end"
+            timed = f"x{c['speedup']:.3f}" if c["speedup"] is not None else "not timed: the estimate was sure"
+            lines.append(f"{line} (speculating over plain, tokens/s: {timed})")
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
