@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from tqdm import tqdm
 
 from draft_models.ttt import ttt_loss
 from draft_models.vocab import restrict_to_draft
@@ -26,15 +27,21 @@ from draft_models.vocab import restrict_to_draft
 _LOGP_FLOOR = -1e4  # log-probs stored in fp16 are clamped here (fp16 has no -inf-safe range)
 
 
+def progress_bar(progress: bool | None, **kw) -> tqdm:
+    """A tqdm bar on stderr with the time left: shown when `progress` is True, hidden when False,
+    on a terminal only when None (so a log file or a captured test gets none)."""
+    return tqdm(disable=None if progress is None else not progress, **kw)
+
+
 @torch.no_grad()
 def capture_features(target_model, sequences: Sequence[Sequence[int]], loss_masks: Sequence | None,
                      batch_size: int, *, d2t: torch.Tensor, feature_dtype: torch.dtype = torch.bfloat16,
-                     device=None) -> list[dict]:
+                     device=None, progress: bool | None = False) -> list[dict]:
     """One target forward per batch -> one record per sequence:
     {"input_ids": (T,) int64, "features": (T, 3H) feature_dtype, "target_logp": (T, Vd) fp16,
      "loss_mask": (T,) bool}, all on CPU. target_logp[t] is the target's log-prob of each draft
     token at position t (its prediction of token t+1); loss_mask marks the tokens to predict
-    (None: every token)."""
+    (None: every token). `progress`: a bar over the sequences (see `progress_bar`)."""
     if batch_size <= 0:
         raise ValueError(f"batch_size must be positive, got {batch_size}")
     if loss_masks is not None and len(loss_masks) != len(sequences):
@@ -46,6 +53,7 @@ def capture_features(target_model, sequences: Sequence[Sequence[int]], loss_mask
     was_training = target_model.training
     target_model.eval()
     records: list[dict] = []
+    bar = progress_bar(progress, total=len(sequences), desc="draft features", unit="seq")
     try:
         for start in range(0, len(sequences), batch_size):
             chunk = [list(map(int, s)) for s in sequences[start: start + batch_size]]
@@ -70,7 +78,9 @@ def capture_features(target_model, sequences: Sequence[Sequence[int]], loss_mask
                         raise ValueError(f"loss mask {start + i} has {mask.numel()} entries for {n} tokens")
                 records.append({"input_ids": ids[i, :n].clone(), "features": feats[i, :n].cpu().clone(),
                                 "target_logp": logp[i, :n].cpu().clone(), "loss_mask": mask})
+            bar.update(len(chunk))
     finally:
+        bar.close()
         target_model.train(was_training)
     return records
 
@@ -193,9 +203,10 @@ def draft_update_step(backend: GradientBackend, batch: dict, *, lr: float, ttt_s
 def train_offline(draft, data: Sequence[dict], steps: int, lr: float, batch_size: int, seed: int = 0, *,
                   ttt_steps: int | None = None, weight_decay: float = 0.0, grad_clip: float = 1.0,
                   warmup: int = 0, acceptance_weight: float = 0.0, soft_targets: bool = True,
-                  log_fn: Callable[[dict], None] | None = None) -> list[dict]:
+                  log_fn: Callable[[dict], None] | None = None, progress: bool | None = False) -> list[dict]:
     """Train the draft's parameters on capture_features records; returns one metric dict per step
-    (step, lr, grad_norm, seconds, and ttt_loss's loss / ce_k / acc_k / accept_k / n_k)."""
+    (step, lr, grad_norm, seconds, and ttt_loss's loss / ce_k / acc_k / accept_k / n_k).
+    `progress`: a bar over the steps with the loss (see `progress_bar`)."""
     if not data:
         raise ValueError("train_offline needs at least one record")
     if steps < 0 or batch_size <= 0 or not lr > 0:
@@ -208,6 +219,7 @@ def train_offline(draft, data: Sequence[dict], steps: int, lr: float, batch_size
     order: list[int] = []
     history: list[dict] = []
     draft.train()
+    bar = progress_bar(progress, total=steps, desc="draft training", unit="step")
     for step in range(steps):
         t0 = time.perf_counter()
         if len(order) < batch_size:
@@ -221,5 +233,8 @@ def train_offline(draft, data: Sequence[dict], steps: int, lr: float, batch_size
         history.append(metrics)
         if log_fn is not None:
             log_fn(metrics)
+        bar.update(1)
+        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
+    bar.close()
     draft.eval()
     return history

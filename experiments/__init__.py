@@ -11,7 +11,7 @@ def batch_sweep_main(doc: str, run, argv=None) -> int:
     import argparse
 
     from rollout.engine import MAX_BATCH
-    from specrl.cli import int_list
+    from specrl.commands import int_list
 
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--out", required=True)

@@ -1,4 +1,6 @@
-"""Run every bad input of issue 15 and print a table: input -> exit code -> stderr.
+"""Run every bad input the CLI and the configs must refuse in one line (bad flags and values, paths
+that are files, damaged task files and run folders, a read-only or full disk, configs that would
+allocate gigabytes, a damaged draft) and print a table: input -> exit code -> stderr.
 
 Each CLI row is a real `specrl` subprocess; the read-only and full-disk rows run it inside a
 private mount namespace (`unshare -m`, needs root or user namespaces) on a tmpfs that is
@@ -143,8 +145,8 @@ def main(argv=None) -> int:
         row(f"full disk during the 2nd checkpoint save (tmpfs {size // 1024} KiB)", ["unshare", "-m", "sh", str(script)])
 
     api = [
-        ("SpecConfig(gamma=10**7)", "from rollout.speculative import SpecConfig as C; C(gamma=10**7)"),
-        ("SpecConfig(mode='tree', tree_budget=10**7)", "from rollout.speculative import SpecConfig as C; C(mode='tree', tree_budget=10**7)"),
+        ("SpecConfig(gamma=10**7)", "from rollout.drafters import SpecConfig as C; C(gamma=10**7)"),
+        ("SpecConfig(mode='tree', tree_budget=10**7)", "from rollout.drafters import SpecConfig as C; C(mode='tree', tree_budget=10**7)"),
         ("OnlineDraftConfig(batch_size=10**9)", "from specrl.config import OnlineDraftConfig as C; C(batch_size=10**9)"),
         ("SamplingParams(temperature=float('nan'))", "from rollout.protocol import SamplingParams as S; S(temperature=float('nan'))"),
         ("EngineConfig(max_batch=10**9)", "from rollout.engine import EngineConfig as E; E(max_batch=10**9)"),

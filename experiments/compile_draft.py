@@ -1,6 +1,6 @@
 """Does `torch.compile` of the draft pay in the embedded engine? A measurement, not a feature.
 
-Issue 16 asks for compiled forwards where they pay. The draft is the safe place to try: what
+Compiled forwards are worth having only where they pay. The draft is the safe place to try: what
 it proposes changes only acceptance, never the tokens (verification is exact), so a compiled
 draft cannot break losslessness. This script times plain decoding, the eager chain draft and
 two compiled drafts, in turns on the same prompts, after compiling on a warm-up, and writes
@@ -33,7 +33,8 @@ from experiments.bench.common import profiled_run, save_summary, speed_setup, ti
 from rollout.compiled import RECOMPILE_LIMIT
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens
-from rollout.speculative import Eagle3Proposer, SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
+from rollout.drafters.eagle3 import Eagle3Proposer
 
 
 def _whole_cache_step(draft, tokens, hidden, cache, slots):
@@ -54,13 +55,11 @@ class _StaticStepProposer(Eagle3Proposer):
         return super()._draft_step(slots, key_len, hidden, tokens, positions, mask)
 
 
-class StaticStepSpeculator(Speculator):
-    """A Speculator whose chain draft steps run as static compiled graphs (the `static` arm)."""
-
-    def __init__(self, draft, config: SpecConfig):
-        static_step = torch.compile(_whole_cache_step, dynamic=False, fullgraph=True)
-        super().__init__(draft, config, proposer=lambda n_slots, max_len: _StaticStepProposer(
-            static_step, self.draft, self.config, n_slots, max_len))
+def proposer_drafter(proposer_class, draft, config: SpecConfig, *args) -> DrafterSpec:
+    """A drafter whose proposer is `proposer_class(*args, draft, config, n_slots, max_len)`, on
+    `draft` itself (not a copy: a compiled forward stays bound to its module)."""
+    return DrafterSpec("custom", spec=config,
+                       proposer=lambda n_slots, max_len: proposer_class(*args, draft, config, n_slots, max_len))
 
 
 def phase_medians(engine, prompts, params, batch: int) -> dict:
@@ -83,11 +82,13 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), gamma: int = 4, repe
     rows = []
     for b in batches:
         prompts = prompts_for(prompts_per_batch * b)
+        static_step = torch.compile(_whole_cache_step, dynamic=False, fullgraph=True)  # the `static` arm's draft steps
         engines = {"plain": EmbeddedEngine(policy, EngineConfig(max_batch=b)),
-                   "eager": EmbeddedEngine(policy, EngineConfig(max_batch=b), speculator=Speculator(draft, cfg)),
-                   "compiled": EmbeddedEngine(policy, EngineConfig(max_batch=b), speculator=Speculator(compiled, cfg)),
+                   "eager": EmbeddedEngine(policy, EngineConfig(max_batch=b), drafter=DrafterSpec(draft=draft, spec=cfg)),
+                   "compiled": EmbeddedEngine(policy, EngineConfig(max_batch=b),
+                                              drafter=proposer_drafter(Eagle3Proposer, compiled, cfg)),
                    "static": EmbeddedEngine(policy, EngineConfig(max_batch=b),
-                                            speculator=StaticStepSpeculator(draft, cfg))}
+                                            drafter=proposer_drafter(_StaticStepProposer, draft, cfg, static_step))}
         warm_s = {}
         for name in ("compiled", "static"):
             t0 = time.perf_counter()

@@ -72,7 +72,7 @@ import torch
 from experiments.bench.common import Grouped, machine_info, repeat_ratios, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens, summarize_spec_stats
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
@@ -198,17 +198,21 @@ class EmbeddedDecoding:
     def eval_params(self, run: RLRun):
         return rollout_params(run.preset, run.tokenizer, run.seed)
 
-    def online_draft(self, run: RLRun):
-        return run.cotrain.speculator.draft
-
     def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
         """Each arm's engine at this batch size, timed in turns on the same prompts, `repeats`
-        times. `arms` maps a name to a draft, a ready Speculator, or None for plain decoding."""
+        times. `arms` maps a name to a draft, a (draft, speculation controller) pair, or None for
+        plain decoding."""
         spec = run.preset.cotrain.spec
-        engines = {arm: EmbeddedEngine(run.policy, EngineConfig(max_batch=batch),
-                                       speculator=d if d is None or isinstance(d, Speculator) else Speculator(d, spec))
-                   for arm, d in arms.items()}
+        engines = {arm: self._engine(run, batch, d, spec) for arm, d in arms.items()}
         return timed_generate_interleaved(engines, prompts, params, repeats)
+
+    @staticmethod
+    def _engine(run: RLRun, batch: int, arm, spec: SpecConfig) -> EmbeddedEngine:
+        if arm is None:
+            return EmbeddedEngine(run.policy, EngineConfig(max_batch=batch))
+        draft, controller = arm if isinstance(arm, tuple) else (arm, None)
+        return EmbeddedEngine(run.policy, EngineConfig(max_batch=batch), drafter=DrafterSpec(draft=draft, spec=spec),
+                              policy=controller)
 
     def sweep_arms(self, run: RLRun, online, batch: int, params) -> dict:
         """The adaptive arm, like for like: it may pick any chain length up to the other arms'
@@ -217,10 +221,9 @@ class EmbeddedDecoding:
         if self.warm_pool is None:
             self.warm_pool = encode_prompts(run.tokenizer,
                                             run.task.examples("heldout", self.preset.eval_prompts, run.seed + 13))
-        adaptive = Speculator(online, spec)
-        adaptive.controller = SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1))))
+        adaptive = (online, SpeculationController(ControllerConfig(gammas=tuple(range(1, spec.gamma + 1)))))
         warm = sweep_prompts(self.warm_pool, batch)
-        EmbeddedEngine(run.policy, EngineConfig(max_batch=batch), speculator=adaptive).generate(warm, params)
+        self._engine(run, batch, adaptive, spec).generate(warm, params, request_ids=range(len(warm)))
         return {"adaptive": adaptive}
 
     def close(self) -> None:
@@ -258,9 +261,6 @@ class VLLMDecoding:
     def eval_params(self, run: RLRun):
         return rollout_params(run.preset, run.tokenizer, run.seed, greedy=True)
 
-    def online_draft(self, run: RLRun):
-        return run.engine.draft  # the copy the engine speculates with (pushed after each update)
-
     def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
         from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
@@ -271,12 +271,17 @@ class VLLMDecoding:
             self.plain_engine.load_policy_weights(run.policy.state_dict())
         spec = run.engine
         online, version = spec.draft_weights()  # put back after the point
+        # the draft arms speculate whatever the run's choice per rollout; its switch is put back after
+        # the point (a vLLM restart, paid by the run's next rollout), and the choice never sees these calls
+        switched_on = spec.speculating
+        spec.set_speculation(True)
         engines = {arm: Grouped(self.plain_engine, batch) if d is None else SwappedDraft(spec, d, batch)
                    for arm, d in arms.items()}
         try:
             return timed_generate_interleaved(engines, prompts, params, repeats)
         finally:
             spec.push_draft(online, version)
+            spec.set_speculation(switched_on)
 
     def sweep_arms(self, run: RLRun, online, batch: int, params) -> dict:
         return {}
@@ -340,8 +345,8 @@ class DriftEvaluator(RLCallback):
         return arms
 
     def online_draft(self, run: RLRun):
-        """The engine's hot-swapped copy of the co-trained draft."""
-        return self.decoding.online_draft(run)
+        """The co-trained draft as the engine serves it (a copy, read through the engine's protocol)."""
+        return run.cotrain.serving_draft()
 
     def train_reference(self, run: RLRun):
         cfg = run.preset.draft
@@ -371,7 +376,7 @@ class DriftEvaluator(RLCallback):
                               "accept_rate_per_pos": agg["accept_rate_per_pos"],
                               "speedup": r["tokens_per_s"] / plain["tokens_per_s"]})
         pts = {r["arm"]: r for r in self.rows if r["step"] == step}
-        if "reference" in pts:
+        if "reference" in pts and pts["reference"]["accept_length"] > 0:  # 0: nothing verified, no ratio
             pts["online"]["online_over_reference"] = pts["online"]["accept_length"] / pts["reference"]["accept_length"]
         self._log_point(step)
 
@@ -470,7 +475,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "tau_online_end": at(last_step, "online", "accept_length"),
         "tau_reference_end": at(last_step, "reference", "accept_length"),
         # the online draft's accept length over the reference's, worst evaluation point (per point in metrics.jsonl)
-        "online_over_reference_min": min(ratios),
+        "online_over_reference_min": min(ratios, default=None),
         "reference_steps": sorted(r["step"] for r in rows if r["arm"] == "reference"),
         "reward_start": rl_summary["reward_start"], "reward_end": rl_summary["reward_end"],
         "kl_end": at(last_step, "plain", "kl_from_start"),

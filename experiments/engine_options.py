@@ -21,7 +21,7 @@ from experiments.bench.common import (preset_chain_length, repeat_ratios, save_s
                                       timed_generate_interleaved)
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 
 OPTIONS = {"exact": {}, "dense": {"moe_dispatch": "dense"}, "compiled": {"compile_forwards": True}}
 
@@ -37,7 +37,7 @@ def run(out_dir, preset: str = "quick", batches=(1, 4, 16), repeats: int = 5, pr
         for option, settings in OPTIONS.items():
             config = EngineConfig(max_batch=b, **settings)
             engines[f"plain {option}"] = EmbeddedEngine(policy, config)
-            engines[f"chain {option}"] = EmbeddedEngine(policy, config, speculator=Speculator(draft, spec_cfg))
+            engines[f"chain {option}"] = EmbeddedEngine(policy, config, drafter=DrafterSpec(draft=draft, spec=spec_cfg))
         for name, engine in engines.items():  # untimed: compiles every shape the timed calls meet
             t0 = time.perf_counter()
             engine.generate(prompts, params)

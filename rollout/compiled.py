@@ -3,7 +3,7 @@
 Why static graphs: on a small model a forward is hundreds of small ops, and the time goes to
 dispatching them. `torch.compile` (inductor) fuses them, but only pays when the graph is whole
 and fixed; a graph break or a dynamic shape gives most of the gain back
-(experiments/compile_target.py, README "Compiled target forwards"). So a block runs compiled only when
+(experiments/compile_target.py, docs/results.md "Compiled forwards"). So a block runs compiled only when
 nothing in it is dynamic:
 
   - the MoE takes the read-free dense dispatch (no host read of group sizes, no graph break),
@@ -13,11 +13,12 @@ nothing in it is dynamic:
   - one graph per argument shape the engine meets (rows, block length, mask, positions, taps),
     compiled on first use (`dynamic=False`, `fullgraph=True`).
 
-and only where it measured faster on the CPU it was tuned on: blocks of at most MAX_ROWS rows
-(an 8-row decode block ran 0.89-1.10x as fast compiled, a 16-row one 0.53-0.66x). Prompts
-(prefill, alone or riding along) and larger blocks run eagerly. The draft stays eager:
-compiling its chain steps the same way gained 1-8% at 1-4 rows in most runs, lost in others,
-and lost at 16 (README, experiments/compile_draft.py's `static` arm).
+and only where that pays on the CPU it was tuned on: blocks of at most MAX_ROWS rows (the gain
+is dispatch overhead saved, which shrinks as rows grow, while the dense dispatch's extra expert
+FLOPs grow; past MAX_ROWS a compiled forward is no faster than eager). Prompts (prefill, alone
+or riding along) and larger blocks run eagerly. The draft stays eager: compiling its chain
+steps the same way gave a small, unsteady gain at a few rows and a loss at more
+(docs/results.md "Compiled forwards", experiments/compile_draft.py's `static` arm).
 
 If compiling or running a shape fails, that shape runs eagerly from then on, the error is
 kept in `failures` and a RuntimeWarning names the shape and the error (once per shape): the
@@ -34,7 +35,7 @@ import torch
 
 from target_training.model import MoE, ModelOutput, MoETransformer
 
-MAX_ROWS = 4  # compiled blocks' rows: per forward x1.5-4.0 faster at 1-4 rows, x0.89-1.10 at 8, x0.53-0.66 at 16
+MAX_ROWS = 4  # most rows of a compiled block: past it a compiled forward is no faster than eager
 RECOMPILE_LIMIT = 512  # graphs per engine: a decode and a verify shape for every row count, plus masks
 
 

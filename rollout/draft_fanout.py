@@ -14,7 +14,7 @@ import torch
 
 
 class DraftFanout:
-    """install_draft / push_draft on every engine; draft_weights and draft_version of the first
+    """install_draft / set_speculation / push_draft on every engine; draft_weights and draft_version of the first
     (all hold the same version unless a push failed, which raised); draft_faults of all."""
 
     def __init__(self, engines: Sequence):
@@ -22,8 +22,20 @@ class DraftFanout:
             raise ValueError("DraftFanout needs at least one engine (the job's inference servers)")
         self.engines = list(engines)
 
-    def install_draft(self, draft, spec, controller=None) -> None:
-        self._each(lambda e: e.install_draft(draft, spec, controller=controller), "draft install")
+    @property
+    def capabilities(self):
+        """What every engine can do (the first one's: a job's engines are alike)."""
+        return self.engines[0].capabilities
+
+    def install_draft(self, drafter, policy=None) -> None:
+        self._each(lambda e: e.install_draft(drafter, policy), "draft install")
+
+    def set_speculation(self, on: bool) -> None:
+        self._each(lambda e: e.set_speculation(on), "speculation switch")
+
+    @property
+    def speculating(self) -> bool:
+        return self.engines[0].speculating
 
     def push_draft(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self._each(lambda e: e.push_draft(weights, version), f"draft push (version {version})")

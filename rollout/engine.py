@@ -10,9 +10,13 @@ that already has its first token. With a speculator attached (rollout.speculativ
 asks its proposer for a draft (rollout.proposer), verifies it with one target forward
 (rollout.verify) and commits the verdict; the slot bookkeeping, stopping rules, log-probs and
 feature capture stay the engine's. The speculation modules never call back into the engine.
+A drafter comes in through `install_draft(DrafterSpec)` only (rollout.drafters), and speculation
+is switched on or off per call with `set_speculation`; whoever decides that (the co-trainer's
+choice per rollout) lives outside the engine.
 
 Sampling is keyed by (seed, request id, token index) in "coupled" mode (the default), so a
-request's output does not depend on which slot or batch it ran in. In "rng" mode a generate call
+request's output does not depend on which slot or batch it ran in; a call without request ids
+gets fresh ones from the engine's counter (rollout.protocol.RequestIds). In "rng" mode a generate call
 draws from a torch generator on the model's device, seeded from the seed and the call's request
 ids (`rng_seed`): calls with fresh ids (the RL loop's, step * batch + i) draw fresh randomness,
 and the same seed and ids give the same samples.
@@ -20,6 +24,7 @@ and the same seed and ids give the same samples.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import time
@@ -31,11 +36,13 @@ import torch
 
 from rollout.compiled import CompiledForwards
 from rollout.profile import StepProfiler, tick
-from rollout.proposer import SpecStep
-from rollout.protocol import SamplingParams, SpecStats, Trajectory
+from rollout.proposer import SpecStep, Verdict
+from rollout.protocol import (EngineCapabilities, RequestIds, Rollout, RolloutStats, SamplingParams, SpecStats,
+                              StepStats, Trajectory)
 from rollout.sampling import policy_logprobs, process_logits, sample
+from rollout.spec_sampling import SpecSampling
 from rollout.transfer import download, hand_back, settle, upload
-from rollout.verify import SpecSampling, Verdict, verify
+from rollout.verify import verify
 from target_training.model import MOE_DISPATCHES, KVCache, ModelOutput, MoETransformer
 
 if TYPE_CHECKING:
@@ -60,7 +67,7 @@ def rng_seed(seed: int, request_ids: Sequence[int]) -> int:
 
 
 MAX_BATCH = 4096  # KV-cache slots; the cache is allocated from it up front
-CPU_FUSE_MAX_PADDING = 96  # EngineConfig.fuse_max_padding's default on CPU (measured there)
+CPU_FUSE_MAX_PADDING = 96  # EngineConfig.fuse_max_padding's default on CPU (fusing's break-even there)
 
 
 @dataclass
@@ -71,7 +78,7 @@ class EngineConfig:
     # requests admitted and prefilled ahead of a free decode slot (extra KV-cache slots): when a
     # sequence finishes, a waiting request takes its place in the very next step, instead of that
     # step carrying its prompt's prefill and decoding one sequence fewer. With speculation that
-    # decode step is worth tau tokens, and short answers admit often (see README, Measured figures).
+    # decode step is worth tau tokens, and short answers admit often.
     prefill_ahead: int = 1
     # "exact": every forward bitwise equal to the training dispatch; "dense": decode and verify
     # blocks of up to MoE.DENSE_DISPATCH_MAX_TOKENS tokens run every expert on every token, with
@@ -83,12 +90,10 @@ class EngineConfig:
     compile_forwards: bool = False
     # admitted prompts ride along in a step's forward only if that adds at most this many
     # padding tokens: fusing pads every decode row to the prompt's width (and the prompt to the
-    # verify block's), and past about 100 padding tokens the one forward costs more than the
-    # two it replaces (quick model on the 2-core CPU: 80 padding tokens x0.96 of the two
-    # forwards' time, 120 x1.08-1.09, 160 x1.13-1.27, 640 at batch 64 x2.08; README). 0: only
-    # when nothing is padded. None (the default): 96 on CPU, where it was measured; no limit on
-    # an accelerator, as before the budget existed (a padding token costs less there next to a
-    # forward's launches; not measured).
+    # verify block's), and on a CPU, past about 100 padding tokens, the one forward costs more
+    # than the two it replaces. 0: only when nothing is padded. None (the default): 96 on CPU;
+    # no limit on an accelerator, where a padding token costs little next to a forward's
+    # launches (an assumption, not a measurement).
     fuse_max_padding: int | None = None
 
     def __post_init__(self) -> None:
@@ -161,17 +166,17 @@ class _Run:
 
 
 class EmbeddedEngine:
-    def __init__(self, model: MoETransformer, config: EngineConfig | None = None, speculator=None):
+    def __init__(self, model: MoETransformer, config: EngineConfig | None = None, drafter=None, policy=None):
         self.model = model.eval()
         self.config = config or EngineConfig()
         self.max_len = self.config.max_len or model.cfg.max_seq_len
-        self.speculator = speculator  # rollout.speculative.Speculator or None (plain decoding)
-        self.run_choice = None  # speculate or not per rollout, measured (choose_per_run)
+        self._speculator = None  # rollout.speculative.Speculator, from install_draft; None: plain decoding
+        self._speculate = False  # set_speculation: whether the next calls use the drafter
         self.compiled = CompiledForwards(model) if self.config.compile_forwards else None  # rollout.compiled
-        if speculator is not None:
-            speculator.check_target(model)
         self.generator: torch.Generator | None = None  # "rng" mode's stream; made on the model's device
-        self.last_stats: dict = {}
+        self.request_ids = RequestIds()  # fresh ids for calls that pass none
+        if drafter is not None:
+            self.install_draft(drafter, policy)
         # called as hook(n_active, n_slots) after every engine step (n_slots: the most sequences a
         # step decodes, prefill_ahead slots excluded): the rollout's long tail is
         # an idle window for co-located work (specrl's draft trainer uses it)
@@ -184,15 +189,8 @@ class EmbeddedEngine:
         return self.model.embed_tokens.weight.device
 
     # -- protocol -------------------------------------------------------------------------
-    captures_features = True  # generate(capture_features=True) fills Trajectory.features
-    takes_controller = True  # install_draft(controller=...): adaptive speculation per engine step
-    takes_run_choice = True  # choose_per_run: speculate or not per rollout, from whole rollouts' speed
-
-    def choose_per_run(self, choice) -> None:
-        """Speculate or decode plainly as `choice` (specrl.controller.RunChoice) says before each
-        generate() call, and report each call to it, with the speculative session's estimate of
-        the time it saved. A plain call runs without the speculator; nothing restarts."""
-        self.run_choice = choice
+    capabilities = EngineCapabilities(drafters=("eagle3", "history", "hybrid", "custom"), step_policy=True,
+                                      switch="free", captures_features=True, idle_windows=True)
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
@@ -205,45 +203,57 @@ class EmbeddedEngine:
         """Nothing to release: the engine runs in the caller's process, on its modules."""
 
     # -- DraftReceiver (rollout.protocol) --------------------------------------------------
-    def install_draft(self, draft, spec, controller=None) -> None:
-        from rollout.speculative import Speculator  # the EAGLE-3 speculator; loaded only when one is installed
+    def install_draft(self, drafter, policy=None) -> None:
+        """Speculate with `drafter` (rollout.drafters.DrafterSpec; a draft model is copied) from
+        the next call on, speculation on; `policy` (rollout.protocol.StepPolicy) decides per step."""
+        from rollout.speculative import Speculator  # loaded only when a drafter is installed
 
-        speculator = Speculator(copy.deepcopy(draft), spec)
-        speculator.controller = controller
+        if drafter.method not in self.capabilities.drafters:
+            raise ValueError(f"the embedded engine takes drafters {self.capabilities.drafters}, got {drafter.method!r}")
+        if drafter.draft is not None:
+            drafter = dataclasses.replace(drafter, draft=copy.deepcopy(drafter.draft))
+        speculator = Speculator(drafter, policy)
         speculator.check_target(self.model)
-        self.speculator = speculator
+        self._speculator, self._speculate = speculator, True
+
+    def set_speculation(self, on: bool) -> None:
+        """Speculate in the next calls or decode plainly; free on this engine (nothing restarts)."""
+        if on and self._speculator is None:
+            raise ValueError("set_speculation(True) needs a drafter: install_draft first")
+        self._speculate = bool(on)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next call speculates."""
+        return self._speculator is not None and self._speculate
 
     def push_draft(self, weights: dict, version: int) -> None:
-        self.speculator.load_draft_weights(weights, version)
+        self._speculator.load_draft_weights(weights, version)
 
     def draft_weights(self) -> tuple[dict, int]:
-        return {k: v.clone() for k, v in self.speculator.draft.state_dict().items()}, self.speculator.version
+        return {k: v.clone() for k, v in self._speculator.draft.state_dict().items()}, self._speculator.version
 
     @property
     def draft_faults(self) -> list[str]:
-        return self.speculator.faults if self.speculator is not None else []
+        return self._speculator.faults if self._speculator is not None else []
 
     @property
     def draft_version(self) -> int | None:
-        """The version of the draft weights in use; None without a speculator."""
-        return self.speculator.version if self.speculator is not None else None
+        """The version of the draft weights in use; None without a drafter."""
+        return self._speculator.version if self._speculator is not None else None
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
+                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> Rollout:
         if len(prompts) == 0:
-            return []
-        request_ids = list(range(len(prompts))) if request_ids is None else list(request_ids)
-        if len(request_ids) != len(prompts):
-            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
+            return Rollout([], RolloutStats(0.0, 0))
+        request_ids = self.request_ids.take(request_ids, len(prompts))
         states = [self._new_state(i, rid, p, params) for i, (rid, p) in enumerate(zip(request_ids, prompts))]
         self._seed_generator(params.seed, request_ids)
         n_decode = min(self.config.max_batch, len(states))  # sequences decoded per step, at most
         n_slots = min(self.config.max_batch + self.config.prefill_ahead, len(states))  # KV-cache slots
-        choice = self.run_choice if self.speculator is not None else None
-        arm = choice.arm() if choice is not None else "spec"
-        spec = self.speculator.begin(n_slots, self.max_len) if self.speculator is not None and arm == "spec" else None
-        slack = self.speculator.block_slack() if spec is not None else 0
+        spec = self._speculator.begin(n_slots, self.max_len) if self.speculating else None
+        slack = self._speculator.block_slack() if spec is not None else 0
         cache = KVCache.for_model(self.model.cfg, n_slots, self.max_len + slack, self.device,
                                   self.model.embed_tokens.weight.dtype)
         run = _Run(cache, params, capture_features, spec)
@@ -251,7 +261,7 @@ class EmbeddedEngine:
         slots: list[SlotState | None] = [None] * n_slots
         t0, steps = time.perf_counter(), 0
         phase_s = {"full": 0.0, "tail": 0.0}  # wall time of steps at the full batch and of the tail's smaller ones
-        spec_steps = 0
+        spec_steps, hook_s = 0, 0.0
         while pending or any(s is not None for s in slots):
             free = [i for i, s in enumerate(slots) if s is None]
             admit = [(i, pending.popleft()) for i in free[: len(pending)]]
@@ -279,8 +289,9 @@ class EmbeddedEngine:
                     lengths = [s.n_cached for s in act_states]  # to roll back to after a fault (host values)
                     try:
                         result = self._spec_step(run, active, act_states, prefill)
-                        spec.observe(len(active), time.perf_counter() - t_step, result, fused=prefill is not None,
-                                     context=context)
+                        result.seconds = None if prefill is not None else time.perf_counter() - t_step
+                        result.context = context
+                        spec.observe(result)
                         kind = None
                     except Exception as err:  # draft-side failure: never stop the rollout
                         cache.rollback(*upload(active, lengths, device=cache.lengths.device))
@@ -294,30 +305,28 @@ class EmbeddedEngine:
                         prof.begin("plain", len(active), prefill is not None)
                     self._decode_step(run, active, act_states, prefill)
                     if spec is not None:
-                        spec.observe(len(active), time.perf_counter() - t_step, None, fused=prefill is not None,
-                                     context=context)
+                        spec.observe(StepStats(len(active), None if prefill is not None else time.perf_counter() - t_step,
+                                               context))
                     if prof is not None:
                         prof.end()
                 steps += 1
                 phase_s["full" if len(active) == n_decode else "tail"] += time.perf_counter() - t_step
-                for hook in self.step_hooks:
-                    hook(len(active), n_decode)
+                if self.step_hooks:
+                    t_hooks = time.perf_counter()
+                    for hook in self.step_hooks:
+                        hook(len(active), n_decode)
+                    hook_s += time.perf_counter() - t_hooks
             for i, s in enumerate(slots):
                 if s is not None and s.finish_reason is not None:
                     slots[i] = None
-        wall = time.perf_counter() - t0
-        n_tokens = sum(len(s.tokens) for s in states)
-        self.last_stats = {"wall_s": wall, "tokens": n_tokens, "tokens_per_s": n_tokens / max(wall, 1e-9),
-                           "engine_steps": steps, "spec_steps": spec_steps, "full_batch_s": phase_s["full"],
-                           "tail_s": phase_s["tail"], "spec_faults": int(spec is not None and spec.faulted),
-                           "spec_saved_s": spec.saved_s if spec is not None else None}
-        if choice is not None:
-            choice.record(arm, n_tokens, wall, spec.saved_s if spec is not None else None)
-            if spec is None and choice.speculate is False:
-                self.last_stats["spec_saved_s"] = 0.0  # plain decoding chosen: speculation saves nothing
+        stats = RolloutStats(wall_s=time.perf_counter() - t0, tokens=sum(len(s.tokens) for s in states),
+                             speculated=spec is not None, hook_s=hook_s, engine_steps=steps, spec_steps=spec_steps,
+                             full_batch_s=phase_s["full"], tail_s=phase_s["tail"],
+                             spec_faults=int(spec is not None and spec.faulted),
+                             spec_saved_s=spec.saved_s if spec is not None else None)
         if capture_features:
             settle(self.device)  # the features' copies to the host (`download`) have landed
-        return [self._to_trajectory(s, capture_features) for s in states]
+        return Rollout([self._to_trajectory(s, capture_features) for s in states], stats)
 
     # -- internals ------------------------------------------------------------------------
     def _seed_generator(self, seed: int, request_ids: list[int]) -> None:
@@ -346,7 +355,7 @@ class EmbeddedEngine:
         if room <= 0:
             raise PromptTooLongError(f"prompt {index} has {len(prompt)} tokens; the context window holds {self.max_len}")
         return SlotState(index, int(request_id), prompt, min(params.max_new_tokens, room),
-                         spec=SpecStats() if self.speculator is not None else None)
+                         spec=SpecStats() if self._speculator is not None else None)
 
     def _plan_prefill(self, admit) -> "Prefill":
         """The admitted prompts as one right-padded block, built on the host and uploaded."""
@@ -367,7 +376,7 @@ class EmbeddedEngine:
         prompt_width = prefill.ids.shape[1]
         padding = len(states) * max(prompt_width - width, 0) + len(prefill.states) * max(width - prompt_width, 0)
         limit = self.config.fuse_max_padding
-        if limit is None and self.device.type == "cpu":  # the default: measured on CPU only
+        if limit is None and self.device.type == "cpu":  # the default: limited on CPU only
             limit = CPU_FUSE_MAX_PADDING
         if limit is not None and padding > limit:
             return False
@@ -458,7 +467,7 @@ class EmbeddedEngine:
         tick(self.profiler, "emit")
 
     def _spec_step(self, run: _Run, active: list[int], states: list[SlotState],
-                   prefill: "Prefill | None" = None) -> dict:
+                   prefill: "Prefill | None" = None) -> StepStats:
         """Draft, verify and commit for the active slots; `prefill` (newly admitted prompts) rides
         along in the verify forward (`forward`).
 
@@ -500,7 +509,7 @@ class EmbeddedEngine:
         cache.rollback(slots, L + verdict.counts, check=False)
         return self._commit(run, step, verdict, proposal.health)
 
-    def _commit(self, run: _Run, step: SpecStep, v: Verdict, health: torch.Tensor | None) -> dict:
+    def _commit(self, run: _Run, step: SpecStep, v: Verdict, health: torch.Tensor | None) -> StepStats:
         """Emit every row's accepted run and record its statistics; the proposer gets the runs.
 
         The hand-back is one transfer of (tokens, counts, the draft's health) plus the log-probs
@@ -532,8 +541,8 @@ class EmbeddedEngine:
                 if not self.append_token(st, token, logprob, run.params):
                     break  # a stop token or the length budget: the rest is dropped
         tick(self.profiler, "emit")
-        return {"gamma": step.depth, "tokens_per_seq": emitted_total / B, "accepted": emitted_total - B,
-                "drafted": drafted_total}
+        return StepStats(n_active=B, gamma=step.depth, tokens_per_seq=emitted_total / B, accepted=emitted_total - B,
+                         drafted=drafted_total)
 
     def tap_layers(self, run: _Run) -> tuple[int, ...]:
         """The target layers a forward taps: the EAGLE-3 feature layers when features are

@@ -23,7 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from rollout.profile import StepProfiler
-    from rollout.verify import SpecSampling, Verdict
+    from rollout.spec_sampling import SpecSampling
 
 
 class RequestView(Protocol):
@@ -39,6 +39,22 @@ class RequestView(Protocol):
 
 
 @dataclass
+class Verdict:
+    """What one verify step leaves for the engine to commit, per row b of B; W is the widest run
+    a row can emit (a chain's g + 1, a tree's drafted depth + 1). Entries past counts[b] are padding."""
+
+    emitted: torch.Tensor  # (B, W) tokens to emit: the accepted drafts, then the target's own token
+    counts: torch.Tensor  # (B,) tokens emitted = accepted drafts + 1
+    logprobs: torch.Tensor  # (B, W) the target's log-prob of each emitted token
+    features: torch.Tensor | None  # (B, W, 3H) the target's features along the accepted path, root
+    #                                first (the draft's next input); None when none were tapped
+    drafted_depths: torch.Tensor | int  # (B,) deepest drafted node along which acceptance was
+    #                                     tested (a tree); a chain's g for every row
+    kv_positions: torch.Tensor | None  # (B, W) cache positions of the accepted path's KV entries, to
+    #                                    move to L.. (trees); None: already contiguous after L (chains)
+
+
+@dataclass
 class SpecStep:
     """One speculative step as the proposer and the verifier see it, for B active slots."""
 
@@ -49,7 +65,7 @@ class SpecStep:
     states: Sequence[RequestView]  # (B) the rows' requests, on the host
     key_len: int  # max L over the rows, from the host (KVCache.begin_block's key length)
     depth: int  # tokens to draft along a path this step (a chain's g, a tree's depth)
-    sampling: SpecSampling  # the step's sampling rule, random generator and device (rollout.verify)
+    sampling: SpecSampling  # the step's sampling rule, random generator and device (rollout.spec_sampling)
     profiler: StepProfiler | None = None  # per-phase timing, when one is attached (rollout.profile)
 
 
@@ -94,4 +110,4 @@ class Proposer(Protocol):
         """The draft for `step`'s rows."""
 
     def accepted(self, active: list[int], verdict: Verdict, counts: list[int]) -> None:
-        """The verify step of `active` emitted counts[b] tokens in row b (verdict: rollout.verify)."""
+        """The verify step of `active` emitted counts[b] tokens in row b."""

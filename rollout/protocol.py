@@ -1,19 +1,24 @@
 """The contracts between engines, trainers and the co-training core.
 
-An RL loop only ever sees `RolloutEngine` (generate, the last call's figures, the policy sync,
-shutdown) and `Trajectory`; that is what lets the speculative engine, vLLM and the SGLang
-backend drop in without the trainer noticing.
+An RL loop only ever sees `RolloutEngine` (generate, the policy sync, shutdown), `Trajectory`
+and `Rollout` (generate's result: the trajectories and `RolloutStats`, the call's figures); that
+is what lets the speculative engine, vLLM and the SGLang backend drop in without the trainer
+noticing.
 
 The co-training core (specrl.cotrain.SpecCoTrainer) needs two more things, and only these:
-- a `DraftReceiver`: an engine that speculates with the draft it is given, takes fresh draft
-  weights with a version (and says which version it holds), and reports acceptance per
-  request in `Trajectory.spec`;
+- a `DraftReceiver`: an engine that speculates with the drafter it is given (one door:
+  `install_draft(DrafterSpec)`, rollout.drafters), switches speculation on or off per call
+  (`set_speculation`), takes fresh draft weights with a version (and says which version it
+  holds), and reports acceptance per request in `Trajectory.spec`; what it can do beyond that is
+  declared in its `capabilities` (`EngineCapabilities`), never probed;
 - a `FeatureSource`: something that computes the policy's hidden states anyway and hands the
   fused EAGLE-3 features over: the policy trainer's own log-prob forward (every RL pipeline has
   one), or an engine whose `generate(capture_features=True)` fills `Trajectory.features`
-  (its `captures_features` is True).
-An engine that also calls `step_hooks` after every step (`IdleWindows`) lends the rollout's
-long tail to draft training.
+  (`capabilities.captures_features`).
+An engine with idle windows (`capabilities.idle_windows`) calls its `step_hooks` after every
+step, which lends the rollout's long tail to draft training. An engine that takes a step policy
+(`capabilities.step_policy`) asks it, at every engine step, whether to speculate and how deep,
+and tells it what the step did (`StepPolicy`, `StepStats`).
 """
 from __future__ import annotations
 
@@ -51,6 +56,28 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+class RequestIds:
+    """The request ids of an engine's generate() calls. Sampling noise is keyed by (seed, request
+    id, token index), so ids are what makes two calls draw the same samples or fresh ones: a call
+    that passes none gets fresh ids from this counter (repeated calls on the same prompts draw
+    fresh samples, as vLLM and HF do without a per-request seed), while a fresh engine replays
+    the same sequence of calls. Pass ids to pin the samples (the RL loop passes step * batch + i)."""
+
+    def __init__(self):
+        self.next = 0
+
+    def take(self, request_ids, n: int) -> list[int]:
+        """The call's ids: the given ones, checked against the n prompts, or the next n fresh ones."""
+        if request_ids is None:
+            ids = list(range(self.next, self.next + n))
+            self.next += n
+            return ids
+        ids = [int(r) for r in request_ids]
+        if len(ids) != n:
+            raise ValueError(f"got {len(ids)} request_ids for {n} prompts")
+        return ids
 
 
 def accept_length(accepted: int, verify_steps: int) -> float:
@@ -128,17 +155,97 @@ class Trajectory:
         return self.prompt_ids + self.token_ids
 
 
+@dataclass
+class RolloutStats:
+    """The figures of one generate() call, carried by the `Rollout` it describes (every engine
+    fills wall_s and tokens; the rest where the engine counts it, None elsewhere)."""
+
+    wall_s: float  # the call's wall time
+    tokens: int  # tokens generated
+    speculated: bool = False  # the call ran with its drafter (set_speculation on and a drafter installed)
+    hook_s: float = 0.0  # of wall_s, the time spent in step hooks (co-located draft training in the tail)
+    engine_steps: int | None = None  # target forwards that decoded (plain or verify)
+    spec_steps: int | None = None  # of them, the speculative ones
+    full_batch_s: float | None = None  # wall time of the steps at the full batch
+    tail_s: float | None = None  # and of the long tail's smaller ones
+    spec_faults: int = 0  # draft-side faults absorbed in the call (it then decoded plainly)
+    spec_saved_s: float | None = None  # seconds speculation saved, estimated from measured plain steps
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.wall_s, 1e-9)
+
+    @property
+    def rollout_s(self) -> float:
+        """The rollout's own time: the wall time less what the step hooks ran inside it."""
+        return self.wall_s - self.hook_s
+
+
+class Rollout(list):
+    """What generate() returns: the trajectories, one per prompt in prompt order (a list), and
+    `stats`, the call's figures (None for a list built outside an engine)."""
+
+    def __init__(self, trajectories=(), stats: RolloutStats | None = None):
+        super().__init__(trajectories)
+        self.stats = stats
+
+
+@dataclass
+class StepStats:
+    """One engine step, as the engine reports it to its step policy."""
+
+    n_active: int  # sequences the step decoded
+    seconds: float | None = None  # its wall time; None where new prompts' prefill rode along in it
+    context: float | None = None  # mean cached tokens per sequence before the step
+    gamma: int = 0  # tokens drafted along a path; 0 for a plain step
+    tokens_per_seq: float = 1.0  # tokens emitted per sequence
+    accepted: int = 0  # draft tokens accepted, over the rows
+    drafted: int = 0  # draft tokens verified, over the rows
+
+
+@runtime_checkable
+class StepPolicy(Protocol):
+    """Per engine step: speculate or not, how deep, and how wide (specrl.controller.
+    SpeculationController is the adaptive one)."""
+
+    def should_speculate(self, n_active: int) -> bool:
+        """Whether the next step over n_active sequences speculates."""
+
+    def gamma_for_step(self) -> int:
+        """The chain length (or tree depth) of the step just decided to speculate."""
+
+    def exploited(self, n_active: int) -> int | None:
+        """The chain it plays at this batch size once settled (0: plain decoding), None while it
+        still explores: the engine sizes a step's fused forward from it before the decision."""
+
+    def max_depth(self) -> int:
+        """The deepest chain it may ask for (the engine sizes its caches from it)."""
+
+    def plain_seconds(self, n_active: int) -> float | None:
+        """Measured seconds of a plain step of this batch size (None before any)."""
+
+    def observe(self, stats: StepStats) -> None:
+        """What a step did."""
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond generating, declared by its class."""
+
+    drafters: tuple[str, ...] = ()  # DrafterSpec methods install_draft takes (rollout.drafters.METHODS)
+    step_policy: bool = False  # install_draft(..., policy=StepPolicy): speculation decided per engine step
+    switch: str | None = None  # what set_speculation costs: "free", "restart" (a restart without the drafter), None: no switch
+    captures_features: bool = False  # generate(capture_features=True) fills Trajectory.features
+    idle_windows: bool = False  # step_hooks are called after every engine step
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    # Figures of the last generate() call: "wall_s", "tokens", "tokens_per_s" from every engine;
-    # "engine_steps" and "spec_faults" (draft faults absorbed in the call) where the engine counts them;
-    # "spec_saved_s" (seconds speculation saved, estimated from measured plain steps) where it estimates it.
-    last_stats: dict
-
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
+                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> Rollout:
         """Generate one trajectory per prompt. request_ids key the sampling noise (see
-        rollout.sampling), so a request's output does not depend on its batch neighbours."""
+        rollout.sampling), so a request's output does not depend on its batch neighbours; without
+        them the engine draws fresh ones (`RequestIds`)."""
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync after a trainer step. Never touches draft weights."""
@@ -156,12 +263,21 @@ class RolloutEngine(Protocol):
 class DraftReceiver(Protocol):
     """An engine the co-training core can speculate through (embedded, vLLM, SGLang)."""
 
-    def install_draft(self, draft, spec, controller=None) -> None:
-        """Speculate with `draft` (an Eagle3Draft; the engine keeps its own copy) under `spec`
-        (rollout.speculative.SpecConfig) from the next generate() on. `controller` (optional,
-        specrl.controller) picks plain or speculative decoding and the chain length per engine
-        step; only an engine whose class attribute `takes_controller` is True accepts one. A
-        draft that does not fit the policy raises ValueError with a one-line message."""
+    capabilities: EngineCapabilities
+
+    def install_draft(self, drafter, policy: StepPolicy | None = None) -> None:
+        """Speculate with `drafter` (rollout.drafters.DrafterSpec; the engine keeps its own copy
+        of a draft model) from the next generate() on, speculation switched on. `policy`
+        decides per engine step (only where `capabilities.step_policy`). A drafter the engine
+        does not take, or a draft that does not fit the policy, raises ValueError in one line."""
+
+    def set_speculation(self, on: bool) -> None:
+        """Speculate in the next generate() calls or decode plainly, without the drafter (what
+        that costs: `capabilities.switch`). A drafter must be installed to switch it on."""
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next generate() call speculates (a drafter installed, the switch on)."""
 
     def push_draft(self, weights: dict[str, torch.Tensor], version: int) -> None:
         """Hot swap: fresh draft weights (SGLang names, no embedding) loaded in place. Never
@@ -191,8 +307,3 @@ class FeatureSource(Protocol):
         vocabulary-parallel, and the draft then trains on hard labels)."""
 
 
-@runtime_checkable
-class IdleWindows(Protocol):
-    """An engine that calls hook(n_active, n_slots) after every step (the rollout's long tail)."""
-
-    step_hooks: list

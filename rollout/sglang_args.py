@@ -14,7 +14,7 @@ import math
 import os
 from collections.abc import Mapping
 
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 
 SPEC_ALGORITHMS = ("EAGLE3", "EAGLE")
 
@@ -34,7 +34,7 @@ def sglang_server_args(model_path: str, draft_path: str, spec: SpecConfig, *, al
     (RL engines release GPU memory during training; a draft without backup comes back empty).
     `extra` adds other ServerArgs fields; it may not override the derived speculative ones."""
     if not isinstance(spec, SpecConfig):
-        raise SGLangArgsError(f"spec must be a rollout.speculative.SpecConfig, got {type(spec).__name__}")
+        raise SGLangArgsError(f"spec must be a rollout.drafters.SpecConfig, got {type(spec).__name__}")
     if algorithm not in SPEC_ALGORITHMS:
         raise SGLangArgsError(f"speculative algorithm must be one of {SPEC_ALGORITHMS}, got {algorithm!r}")
     for name, value in (("model_path", model_path), ("draft_path", draft_path)):

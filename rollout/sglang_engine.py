@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from draft_models.checkpoint import draft_state_dict_for_sglang, save_draft
-from rollout.protocol import SamplingParams, Trajectory
+from rollout.protocol import EngineCapabilities, RequestIds, Rollout, RolloutStats, SamplingParams, Trajectory
 from rollout.sglang_args import SPEC_ALGORITHMS, SGLangArgsError, sglang_server_args, to_cli_args  # noqa: F401
 from rollout.sglang_meta import SPEC_KEYS, SpecMetaError, parse_spec_meta  # noqa: F401
 from rollout.sglang_transport import (SELECTOR_API_VERSION, EndpointMissing, HTTPTransport,  # noqa: F401
@@ -118,6 +118,9 @@ class SGLangEngineConfig:
 class SGLangEngine:
     """RolloutEngine over SGLang; the weight isolation rules are in rollout/sglang_weights.py."""
 
+    # features come from the trainer's log-prob forward; the server speculates as it was launched
+    capabilities = EngineCapabilities(drafters=("eagle3",))
+
     def __init__(self, config: SGLangEngineConfig | None = None, transport=None):
         self.config = cfg = config or SGLangEngineConfig()
         if transport is None:
@@ -131,7 +134,7 @@ class SGLangEngine:
         self.policy_version: int | None = None
         self.last_push_held: list[str] = []
         self.last_push: dict = {}  # the last draft push: {"version", "sent" (names), "held" (names held back)}
-        self.last_stats: dict = {}
+        self.request_ids = RequestIds()  # fresh ids for calls that pass none
         self._vocab_maps: dict[str, torch.Tensor] | None = None
         self._pushed: dict[str, torch.Tensor] = {}  # what the engine's draft holds now (CPU copies)
         self.spec = None
@@ -149,15 +152,13 @@ class SGLangEngine:
 
     # -- rollout --------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
+                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> Rollout:
         if capture_features:
             raise ValueError("SGLang does not return EAGLE-3 target features; capture them in the trainer's "
                              "log-prob forward (CoTrainConfig.feature_source='trainer')")
         if not prompts:
-            return []
-        ids = list(request_ids) if request_ids is not None else list(range(len(prompts)))
-        if len(ids) != len(prompts):
-            raise ValueError(f"{len(ids)} request_ids for {len(prompts)} prompts")
+            return Rollout([], RolloutStats(0.0, 0))
+        ids = self.request_ids.take(request_ids, len(prompts))
         body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sampling_params_for_sglang(params),
                 "return_logprob": True}
         t0 = time.perf_counter()
@@ -166,9 +167,9 @@ class SGLangEngine:
         if len(outputs) != len(prompts):
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(prompts)} prompts")
         trajs = [trajectory_from_output(p, o, r) for p, o, r in zip(prompts, outputs, ids)]
-        wall, n = time.perf_counter() - t0, sum(len(t.token_ids) for t in trajs)
-        self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
-        return trajs
+        stats = RolloutStats(wall_s=time.perf_counter() - t0, tokens=sum(len(t.token_ids) for t in trajs),
+                             speculated=self.spec is not None)
+        return Rollout(trajs, stats)
 
     def runs_in_place(self, module) -> bool:
         return False  # the engine holds its own copy of the policy: every update is synced
@@ -271,14 +272,26 @@ class SGLangEngine:
         self.last_push = {"version": version, "sent": sent, "held": list(self.last_push_held)}
 
     # -- the co-training core's draft-receiver interface (rollout.protocol.DraftReceiver) ----------
-    def install_draft(self, draft, spec, controller=None) -> None:
-        """Speculate with `draft`: SGLang's speculation settings are its launch arguments
-        (`rollout.sglang_args.sglang_server_args(..., spec)`), so only the weights move here
-        (pushed as version 0). A per-step controller has no SGLang counterpart and is refused."""
-        if controller is not None:
-            raise ValueError("SGLang speculates as its server arguments say; a per-step controller cannot be installed")
-        self.spec = spec
-        self.push_draft(draft, 0)
+    def install_draft(self, drafter, policy=None) -> None:
+        """Speculate with `drafter` (an "eagle3" rollout.drafters.DrafterSpec): SGLang's
+        speculation settings are its launch arguments (`rollout.sglang_args.sglang_server_args(...,
+        spec)`), so only the weights move here (pushed as version 0). A per-step policy has no
+        SGLang counterpart and is refused, as are drafters other than EAGLE-3."""
+        if drafter.method not in self.capabilities.drafters:
+            raise ValueError(f"SGLang speculates with EAGLE-3 drafts; got drafter {drafter.method!r}")
+        if policy is not None:
+            raise ValueError("SGLang speculates as its server arguments say; a per-step policy cannot be installed")
+        self.spec = drafter.spec
+        self.push_draft(drafter.draft, 0)
+
+    @property
+    def speculating(self) -> bool:
+        return self.spec is not None
+
+    def set_speculation(self, on: bool) -> None:
+        """SGLang speculates as it was launched: there is no switch (capabilities.switch is None)."""
+        if not on:
+            raise ValueError("an SGLang server speculates as it was launched; it cannot switch its drafter off")
 
     def draft_weights(self) -> tuple[dict[str, torch.Tensor], int | None]:
         """The draft weights the engine holds (SGLang names, as last pushed) and their version."""

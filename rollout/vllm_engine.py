@@ -17,12 +17,14 @@ VLLM_ALLOW_INSECURE_SERIALIZATION=1, which this module sets before vLLM starts).
   verify step) become specrl's SpecStats.
 - Policy sync (`load_policy_weights`): in place in the live worker, through vLLM's layerwise
   reload plus the MoE repacking step that vLLM 0.32 skips on a weight update on CPU
-  (`_moe_repack_on_reload`); or, with `policy_sync="restart"`, by rewriting the folder and
+  (`_moe_repack_on_reload`) and a rebuild of an LM head tied to the embedding
+  (`_rebuild_tied_heads`); or, with `policy_sync="restart"`, by rewriting the folder and
   restarting vLLM at its next use.
 - Draft hot swap (`push_draft`): the same in-place reload on the worker's drafter model only.
   Before writing, the worker checks that no tensor it will write is shared with the target
   (vLLM shares the target's lm_head with a draft whose lm_head equals it), so a draft push never
-  writes the policy.
+  writes the policy. A candidate draft must pass a short probe forward first (`probe_draft`), and
+  a reload that fails part way in the worker is undone (`_snapshot_model`).
 - Process lifetime: vLLM runs in an engine core process and a worker process under it. The
   engine stops them at interpreter exit (atexit), on SIGTERM/SIGINT to the driving process
   (`_on_signal`, chained to the handler it replaced), and when the driving process dies without
@@ -50,7 +52,8 @@ import torch
 
 from draft_models.checkpoint import (check_draft_against_target, copy_draft_weights, draft_tensors_for_export,
                                      has_identity_vocab, save_draft)
-from rollout.protocol import SamplingParams, SpecStats, Trajectory
+from rollout.protocol import (EngineCapabilities, RequestIds, Rollout, RolloutStats, SamplingParams, SpecStats,
+                              Trajectory)
 
 
 class VLLMEngineError(ValueError):
@@ -168,6 +171,40 @@ def _pack(tensors: dict[str, torch.Tensor]) -> bytes:
     return save({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()})
 
 
+# A trained draft's activations on the probe's unit-scale inputs stay orders of magnitude below
+# this; fp32 RMS norms overflow (their squares) near 1e19
+DRAFT_PROBE_BOUND = 1e6
+
+
+@torch.no_grad()
+def probe_draft(draft, dtype: torch.dtype = torch.float32, steps: int = 3, positions: int = 8,
+                bound: float = DRAFT_PROBE_BOUND) -> str | None:
+    """What makes `draft` unfit to serve, as one line, or None. A short chain of draft steps on a
+    fixed input (seeded token ids and unit-normal target features for the first step, then the
+    draft's own pre-norm states and tokens, as vLLM's chain feeds them) must give finite pre-norm
+    states and logits no larger than `bound`, computed in `dtype` (the engine's).
+
+    Why: finite weights can still overflow (1e30 is finite), and in vLLM such a draft writes
+    inf/NaN into the drafter's KV cache and hidden-state buffer at its first step (docs/vllm.md:
+    "a draft's inf/NaN outlived the next push"). A pre-norm state of 1e30 passes a check of the
+    logits alone: the final norm maps it to finite numbers."""
+    model = draft if next(draft.parameters()).dtype == dtype else copy.deepcopy(draft).to(dtype)
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.cfg.vocab_size, (2, positions), generator=g).to(device)
+    hidden = torch.randn(2, positions, 3 * model.cfg.target_hidden_size, generator=g).to(device, dtype)
+    for step in range(1, steps + 1):
+        prenorm, logits = model(ids, hidden, project=step == 1)
+        for what, t in (("pre-norm states", prenorm), ("logits", logits)):
+            if not bool(torch.isfinite(t).all()):
+                return f"its {what} at draft step {step} of a probe input are not finite"
+            peak = float(t.abs().max())
+            if peak > bound:
+                return f"its {what} at draft step {step} of a probe input reach {peak:.3g} (bound {bound:g})"
+        ids, hidden = model.to_target_logits(logits).argmax(-1), prenorm
+    return None
+
+
 # -- functions that run inside the vLLM worker (sent by collective_rpc) ------------------------
 def _models(worker):
     runner = worker.model_runner
@@ -175,10 +212,18 @@ def _models(worker):
     return runner.get_model(), getattr(drafter, "model", None)  # a custom proposer has no model
 
 
+def _storage(p):
+    """The storage a tensor writes to; None for the empty placeholders the CPU backend leaves
+    after repacking a linear's weight into its GEMM handle."""
+    return p.untyped_storage().data_ptr() if p.numel() and p.untyped_storage().nbytes() else None
+
+
 def _reload_in_worker(worker, blob: bytes, which: str) -> dict:
     """Reload the `which` ("policy" or "draft") model in place from a safetensors blob (HF names
     for the policy, SGLang/vLLM EAGLE-3 names for the draft), after checking that no tensor it
-    will write is shared with the other model."""
+    will write is shared with the other model. All or nothing: if anything fails on the way
+    (vLLM's loader, the MoE repacking, the tied-head rebuild, the drafter's state), the model is
+    put back as it was before the call (`_snapshot_model`) and the error is raised again."""
     from safetensors.torch import load
     from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
@@ -186,23 +231,109 @@ def _reload_in_worker(worker, blob: bytes, which: str) -> dict:
     mine, other = (target, draft) if which == "policy" else (draft, target)
     if mine is None:
         raise RuntimeError(f"the engine has no {which} model")
+    theirs: set = set()
     if other is not None:
-        def storage(p):  # None for the empty placeholders the CPU backend leaves after repacking
-            return p.untyped_storage().data_ptr() if p.numel() and p.untyped_storage().nbytes() else None
-
-        theirs = {storage(p) for p in other.parameters()} - {None}
+        theirs = {_storage(p) for p in other.parameters()} - {None}
         # the draft reads the target's token embedding by design (EAGLE-3): a policy sync updates
         # it for both, a draft push never carries it
-        shared = [n for n, p in mine.named_parameters() if storage(p) in theirs and "embed_tokens" not in n]
+        shared = [n for n, p in mine.named_parameters() if _storage(p) in theirs and "embed_tokens" not in n]
         if shared:
             raise RuntimeError(f"{which} tensors {shared[:3]} are shared with the other model; refusing to write them")
     from vllm.config import set_current_vllm_config
 
     tensors = load(blob)
-    with set_current_vllm_config(worker.vllm_config), _moe_repack_on_reload(mine) as repacked:
-        reload_weights(worker.vllm_config, mine, list(tensors.items()), None, True)  # as the worker's own does
-    cleared = _clear_drafter_state(worker) if which == "draft" else 0
-    return {"tensors": len(tensors), "moe_layers_repacked": repacked, "draft_state_cleared": cleared}
+    # a draft push never writes the target's tensors (the shared embedding): no copy of those
+    restore = _snapshot_model(mine, skip=theirs if which == "draft" else set())
+    try:
+        with set_current_vllm_config(worker.vllm_config), _moe_repack_on_reload(mine) as repacked:
+            reload_weights(worker.vllm_config, mine, list(tensors.items()), None, True)  # as the worker's own does
+        tied = _rebuild_tied_heads(mine)
+        cleared = _clear_drafter_state(worker) if which == "draft" else 0
+    except BaseException:
+        restore()
+        raise
+    return {"tensors": len(tensors), "moe_layers_repacked": repacked, "tied_heads_rebuilt": tied,
+            "draft_state_cleared": cleared}
+
+
+_MODULE_TABLES = ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules")
+
+
+def _snapshot_model(model, skip: set = frozenset()):
+    """Record what an in-place reload may change in `model` and return a function that puts it
+    back: each module's registered tensors and its other attributes (on CPU a linear's weights
+    live in its `cpu_linear` GEMM handle, and its registered weight is an empty placeholder), and
+    a copy of the values of every tensor whose storage is not in `skip`.
+
+    Why: vLLM's layerwise reload first moves every layer onto the meta device, then, layer by
+    layer as its weights arrive, loads, post-processes and copies the result into the live
+    tensors. A failure part way leaves the layers done with the new weights, the others on meta
+    (unusable) and vLLM's per-layer reload records half filled, which the next reload would trust.
+    """
+    values, modules, skip = {}, [], set(skip) | {None}
+    with torch.no_grad():
+        for m in model.modules():
+            attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_TABLES}
+            modules.append((m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set), attrs))
+            for t in [*m._parameters.values(), *m._buffers.values()]:
+                if isinstance(t, torch.Tensor) and id(t) not in values and _storage(t) not in skip:
+                    values[id(t)] = (t, t.detach().clone())
+
+    def restore() -> None:
+        for m, params, buffers, non_persistent, attrs in modules:
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+            m._non_persistent_buffers_set.clear()
+            m._non_persistent_buffers_set.update(non_persistent)
+            for k in [k for k in vars(m) if k not in _MODULE_TABLES and k not in attrs]:
+                del vars(m)[k]  # what the failed reload added (e.g. its torchao flags)
+            vars(m).update(attrs)
+        with torch.no_grad():
+            for t, saved in values.values():
+                t.data.copy_(saved)
+        try:  # vLLM's per-layer reload records: a half-filled one makes the next reload skip the layer
+            from vllm.model_executor.model_loader.reload import layerwise
+        except ImportError:
+            return
+        for m, *_ in modules:
+            info = layerwise.LAYERWISE_INFO.get(m)
+            if info is not None:
+                info.reset()
+        layerwise.LOADING_LAYERS.clear()
+
+    return restore
+
+
+def _rebuild_tied_heads(model) -> int:
+    """Rebuild the CPU GEMM handle of every layer whose weight is another layer's (an LM head
+    tied to the token embedding). Returns the layers rebuilt.
+
+    Why: on CPU vLLM computes the logits with a handle prepacked from the head's weight when the
+    model loads. The reload writes the new embedding into the tensor both layers hold, but the
+    head itself gets no checkpoint tensor (tied checkpoints carry none; vLLM logs
+    `ParallelLMHead: Failed to load weights`), so its handle is never rebuilt and the logits keep
+    coming from the old embedding."""
+    owners: dict[int, list] = {}
+    for m in model.modules():
+        w = m._parameters.get("weight")
+        if w is not None and w.numel():
+            owners.setdefault(id(w), []).append(m)
+    tied = [m for group in owners.values() if len(group) > 1 for m in group]
+    if not tied:
+        return 0
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    # only the unquantized method's after-load step is known to be safe to repeat (it packs, never rewrites)
+    other = [m for m in tied if not isinstance(getattr(m, "quant_method", None), vpe.UnquantizedEmbeddingMethod)]
+    if other:
+        raise RuntimeError(f"cannot refresh the tied layer {type(other[0]).__name__} "
+                           f"({type(getattr(other[0], 'quant_method', None)).__name__}) in place; "
+                           f"use VLLMEngineConfig(policy_sync='restart')")
+    for m in tied:
+        m.quant_method.process_weights_after_loading(m)  # as the first load does: on CPU, a new GEMM handle
+    return len(tied)
 
 
 def _clear_drafter_state(worker) -> int:
@@ -210,13 +341,13 @@ def _clear_drafter_state(worker) -> int:
     proposer's hidden-state and input-embedding scratch buffers. Returns the tensors zeroed.
 
     Why: a reload replaces the weights only. A draft whose activations overflow (finite weights
-    can, so the push's finiteness check lets it through) writes inf/NaN into these. Dropping the
+    can; `probe_draft` refuses those that overflow on its probe input, not one that overflows on
+    real features only) writes inf/NaN into these. Dropping the
     prefix cache frees the KV blocks but leaves their contents (vLLM 0.32 zeroes reused blocks
     only for Mamba or mixed-precision caches), and the next drafts, from any weights, still go
-    wrong where those blocks are reused: after pushing the good draft back, accept length 1.79,
-    2.77, 2.82 on three generates against 3.00 on a clean engine (docs/vllm.md), and 3.00 again
-    once these tensors were zeroed. Runs with no request in flight (pushes come between generate
-    calls), before the prefix cache is dropped.
+    wrong where those blocks are reused, even after a good draft is pushed back (docs/vllm.md).
+    Runs with no request in flight (pushes come between generate calls), before the prefix cache
+    is dropped.
     """
     drafter = getattr(worker.model_runner, "drafter", None)
     if drafter is None:
@@ -314,6 +445,12 @@ def _mend_cpu_expand_in_worker(worker) -> dict:
     return {"expand_ok_before": before, "mended": not before, "expand_ok_after": probe()}
 
 
+NO_WATCH_WARNING = ("vLLM's worker cannot watch the driving process (no pidfd or /proc here): if that process "
+                    "is killed without a chance to clean up (SIGKILL), vLLM's engine core and worker are left "
+                    "running, orphaned, until stopped by hand")
+_WARNED_NO_WATCH = False
+
+
 def _watch_driver_in_worker(worker, driver_pid: int, grace_s: float = 15.0) -> dict:
     """Stop vLLM when the process driving it dies, however it dies (SIGKILL included).
 
@@ -322,7 +459,10 @@ def _watch_driver_in_worker(worker, driver_pid: int, grace_s: float = 15.0) -> d
     re-parented and keeps its worker, memory and threads. A daemon thread in the worker waits on a
     pidfd of the driving process; once that process is gone it sends SIGTERM to the engine core
     (which shuts down and stops this worker) and, if it is still there after `grace_s`, SIGKILL,
-    then ends this worker too. pidfds name the processes, so a recycled pid is never signalled."""
+    then ends this worker too. pidfds name the processes, so a recycled pid is never signalled.
+    Where pidfds (or /proc) are missing there is no watch, and the worker says so once
+    (`NO_WATCH_WARNING`): an orphaned engine core would then outlive a killed driver."""
+    global _WARNED_NO_WATCH
     import select
 
     core = os.getppid()
@@ -335,7 +475,11 @@ def _watch_driver_in_worker(worker, driver_pid: int, grace_s: float = 15.0) -> d
             return {"watching": False, "why": f"the engine core {core} is not the driving process's child"}
         driver_fd, core_fd = os.pidfd_open(driver_pid), os.pidfd_open(core)
     except (AttributeError, OSError, ValueError, IndexError) as e:  # no /proc or pidfds (Linux < 5.3)
-        return {"watching": False, "why": f"{type(e).__name__}: {e}"}
+        why = f"{type(e).__name__}: {e}"
+        if not _WARNED_NO_WATCH:  # one line per worker process (each vLLM start has its own), not per call
+            _WARNED_NO_WATCH = True
+            warnings.warn(f"{NO_WATCH_WARNING} ({why})", RuntimeWarning, stacklevel=2)
+        return {"watching": False, "why": why, "lost": NO_WATCH_WARNING}
 
     def watch():
         select.select([driver_fd], [], [])  # readable once the driving process has exited
@@ -426,15 +570,17 @@ class VLLMEngine:
 
     Build it in a script's `if __name__ == "__main__":` block: vLLM spawns its engine core."""
 
-    captures_features = False  # features come from the trainer's log-prob forward
+    # vLLM decides its drafts itself (no step policy); a switch is a restart without the drafter:
+    # vLLM 0.32 runs its EAGLE-3 drafter at every step, even where a schedule asks for no draft tokens
+    capabilities = EngineCapabilities(drafters=("eagle3", "history"), switch="restart")
 
-    def __init__(self, policy, config: VLLMEngineConfig | None = None, *, draft=None, spec=None):
+    def __init__(self, policy, config: VLLMEngineConfig | None = None, *, drafter=None):
         self.config = config or VLLMEngineConfig()
         self.vllm = require_vllm()
         self.cfg = policy.cfg
         self.max_len = self.config.max_len or self.cfg.max_seq_len
-        check_servable(self.cfg, draft)
-        check_kv_room(self.cfg, self.config, draft)
+        check_servable(self.cfg)  # and the draft, where install_draft brings one
+        check_kv_room(self.cfg, self.config)
         self._tmp = None
         if self.config.work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="specrl-vllm-")
@@ -448,19 +594,18 @@ class VLLMEngine:
         self.draft = None  # the engine's copy of the draft it speculates with
         self.spec = None
         self.history = None  # HistoryConfig when the history drafter speculates (rollout.vllm_history)
-        self.run_choice = None  # speculation on or off for the whole run, measured (choose_per_run)
-        self._plain = False  # the run choice has vLLM decode plainly: started without its drafter
+        self._plain = False  # set_speculation(False): vLLM (re)starts without its drafter
         self._warned_sampling = False
         self.sampler_mend: dict = {}  # what _mend_cpu_expand_in_worker found and did at the last start
         self.version = 0
         self.faults: list[str] = []
-        self.last_stats: dict = {}
+        self.request_ids = RequestIds()  # fresh ids (and so fresh sampling seeds) for calls that pass none
         self.driver_watch: dict = {}  # what _watch_driver_in_worker reported at the last start
         self._owner_pid = os.getpid()
         _LIVE_ENGINES.add(self)
         _install_signal_handlers()
-        if draft is not None:
-            self.install_draft(draft, spec)
+        if drafter is not None:
+            self.install_draft(drafter)
 
     @property
     def llm(self):
@@ -503,14 +648,14 @@ class VLLMEngine:
         self.config = dataclasses.replace(self.config, spec_schedule=schedule)
         self.shutdown()
 
-    takes_run_choice = True  # choose_per_run: speculation on or off for the whole run, measured
-
-    def choose_per_run(self, choice) -> None:
-        """Speculate or decode plainly as `choice` says before each generate() call, and report
-        each call to it (specrl.controller.RunChoice): vLLM 0.32 runs its EAGLE-3 drafter at every
-        step, even where a schedule asks for no draft tokens, so the closest it has to switching
-        speculation off where it does not pay is a restart without the drafter."""
-        self.run_choice = choice
+    def set_speculation(self, on: bool) -> None:
+        """Speculate in the next calls or decode plainly: vLLM takes its speculative setting when
+        it starts, so a change restarts it at its next use (with or without the drafter)."""
+        if on and self.spec is None:
+            raise VLLMEngineError("set_speculation(True) needs a drafter: install_draft first")
+        if (not on) != self._plain:
+            self._plain = not on
+            self.shutdown()
 
     @property
     def speculating(self) -> bool:
@@ -528,27 +673,20 @@ class VLLMEngine:
 
     # -- rollout protocol -------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> list[Trajectory]:
+                 request_ids: Sequence[int] | None = None, capture_features: bool = False) -> Rollout:
         if capture_features:
             raise VLLMEngineError("the vLLM engine does not capture features; use feature_source='trainer'")
         if params.top_k or params.top_p < 1.0:
             raise VLLMEngineError("with top-k/top-p vLLM returns masked log-probs, not log_softmax(logits / T); "
                                   "use top_k=0, top_p=1 with the vLLM engine")
         if len(prompts) == 0:
-            return []
-        if self.run_choice is not None and self.spec is not None:
-            plain = self.run_choice.arm() == "plain"
-            if plain != self._plain:  # vLLM takes its speculative setting when it starts
-                self._plain = plain
-                self.shutdown()
+            return Rollout([], RolloutStats(0.0, 0))
         if self.speculating and not params.greedy and not self._warned_sampling:
             self.llm  # started here if not yet: the start runs the sampler mend and records it
             if not self.sampler_mend.get("expand_ok_after", False):
                 self._warned_sampling = True
                 warnings.warn(SAMPLED_SPEC_WARNING, RuntimeWarning)
-        request_ids = list(range(len(prompts))) if request_ids is None else [int(r) for r in request_ids]
-        if len(request_ids) != len(prompts):
-            raise ValueError(f"got {len(request_ids)} request_ids for {len(prompts)} prompts")
+        request_ids = self.request_ids.take(request_ids, len(prompts))
         prompts = [[int(t) for t in p] for p in prompts]
         inputs, sps = [], []
         for i, (rid, p) in enumerate(zip(request_ids, prompts)):
@@ -576,13 +714,8 @@ class VLLMEngine:
             from rollout.vllm_history import history_add_in_worker
 
             self.llm.collective_rpc(history_add_in_worker, args=([(t.prompt_ids, t.token_ids) for t in trajs],))
-        n = sum(len(t.token_ids) for t in trajs)
-        self.last_stats = {"wall_s": wall, "tokens": n, "tokens_per_s": n / max(wall, 1e-9)}
-        if self.run_choice is not None and self.spec is not None:
-            self.run_choice.record("plain" if self._plain else "spec", n, wall)
-            # what the co-trainer's priced budget pays draft updates from (nothing once plain is kept)
-            self.last_stats["spec_saved_s"] = self.run_choice.saved_s(n, wall)
-        return trajs
+        return Rollout(trajs, RolloutStats(wall_s=wall, tokens=sum(len(t.token_ids) for t in trajs),
+                                           speculated=self.speculating))
 
     def _to_trajectory(self, out, prompt: list[int], rid: int) -> Trajectory:
         c = out.outputs[0]
@@ -605,7 +738,7 @@ class VLLMEngine:
         draft owns, and `_moe_repack_on_reload`, which makes the MoE experts exact on CPU), then
         the prefix cache is dropped (if vLLM refuses to drop it, the sync falls back to a restart);
         the HF folder is rewritten only when vLLM next restarts. With `policy_sync="restart"`: the folder is rewritten now and vLLM restarts from it at
-        its next use, with the engine's current draft (tens of seconds on 2 CPU cores)."""
+        its next use, with the engine's current draft (a full vLLM start: tens of seconds on CPU)."""
         from target_training.hf_adapter import hf_disk_tensors
 
         policy = self.cfg.build()
@@ -638,43 +771,45 @@ class VLLMEngine:
             self._pending_policy = None
 
     # -- DraftReceiver (rollout.protocol) ----------------------------------------------------
-    def install_draft(self, draft, spec=None, controller=None) -> None:
-        """(Re)start vLLM, at its next use, with EAGLE-3 speculation (chains of spec.gamma drafts) using `draft`.
-        vLLM decides per step itself: an adaptive `controller` is not supported."""
-        from rollout.speculative import SpecConfig
-
-        spec = spec or SpecConfig()
-        if spec.mode != "chain":
-            raise VLLMEngineError(f"the vLLM engine speculates in chains (EAGLE-3 in vLLM); got SpecConfig.mode={spec.mode!r}")
-        if controller is not None:
-            raise VLLMEngineError("adaptive speculation (a SpeculationController) is not supported on vLLM")
-        check_servable(self.cfg, draft)
-        check_kv_room(self.cfg, self.config, draft)
-        self.draft, self.spec, self.history, self.version = copy.deepcopy(draft).eval(), spec, None, 0
+    def install_draft(self, drafter, policy=None) -> None:
+        """(Re)start vLLM, at its next use, speculating with `drafter` (rollout.drafters.DrafterSpec)
+        in chains of spec.gamma: "eagle3", vLLM's EAGLE-3 with a copy of the draft; "history", the
+        history drafter as a custom proposer in vLLM's worker (rollout.vllm_history: drafts from the
+        in-flight siblings of a prompt and earlier answers to it; its own store, fed by this
+        engine). vLLM decides per step itself: a step policy is refused, as are the other methods
+        (its custom proposers see token ids only, not the hidden states EAGLE-3 reads)."""
+        if drafter.method not in self.capabilities.drafters:
+            raise VLLMEngineError(f"drafter={drafter.method!r} runs on the embedded engine: vLLM takes one "
+                                  f"speculative method, eagle3 or history")
+        if drafter.spec.mode != "chain":
+            raise VLLMEngineError(f"the vLLM engine speculates in chains; got SpecConfig.mode={drafter.spec.mode!r}")
+        if policy is not None:
+            raise VLLMEngineError("a per-step speculation policy is not supported on vLLM")
+        if drafter.method == "history":
+            self.draft, self.history = None, drafter.history.config
+        else:
+            check_servable(self.cfg, drafter.draft)
+            check_kv_room(self.cfg, self.config, drafter.draft)
+            self.draft, self.history = copy.deepcopy(drafter.draft).eval(), None
+        self.spec, self.version, self._plain = drafter.spec, 0, False
         self.shutdown()  # the next call starts vLLM with speculation
-
-    def install_history(self, config, spec=None) -> None:
-        """(Re)start vLLM, at its next use, speculating with the history drafter (rollout.vllm_history:
-        drafts from the in-flight siblings of a prompt and earlier answers to it, chains of
-        spec.gamma) instead of a draft model."""
-        from rollout.speculative import SpecConfig
-
-        spec = spec or SpecConfig()
-        if spec.mode != "chain":
-            raise VLLMEngineError(f"the vLLM engine speculates in chains; got SpecConfig.mode={spec.mode!r}")
-        self.draft, self.spec, self.history, self.version = None, spec, config, 0
-        self.shutdown()
 
     def push_draft(self, weights: dict, version: int) -> None:
         """Draft hot swap into the live engine: the worker's drafter reloads in place, and what
         the previous draft left in it (KV cache, scratch buffers) is zeroed. All or nothing: the
         weights are checked (names, exact shapes, finite values) and loaded into the worker from
         a candidate copy; the engine's own copy (what `draft_weights` and so every checkpoint
-        reads) changes only once vLLM has taken them."""
+        reads) changes only once vLLM has taken them. Before it serves, the candidate runs a short
+        draft chain on a fixed input (`probe_draft`), and weights whose activations overflow or blow
+        up are refused like non-finite ones. Inside the worker a reload that fails part way is
+        undone (`_reload_in_worker`), so the drafter keeps the previous draft whole."""
         if self.draft is None:
             raise VLLMEngineError("the engine has no draft: install_draft first")
         candidate = copy.deepcopy(self.draft)
         copy_draft_weights(candidate, weights)  # refuses missing, misshapen or non-finite weights
+        problem = probe_draft(candidate, getattr(torch, self.config.dtype))
+        if problem is not None:
+            raise ValueError(f"draft weights refused: {problem}")
         if self._llm is not None and self.speculating:  # (not started, or plain: it loads the draft as it is now)
             self.llm.collective_rpc(_reload_in_worker, args=(_pack(draft_tensors_for_export(candidate)), "draft"))
             self.llm.reset_prefix_cache()  # the draft's cached KV came from the old draft

@@ -1,4 +1,4 @@
-"""The history drafter (rollout.history) inside vLLM, as a `custom_class` proposer.
+"""The history drafter (rollout.drafters.history) inside vLLM, as a `custom_class` proposer.
 
 vLLM 0.32 builds a `speculative_config = {"method": "custom_class", "model": "module.Class"}`
 drafter from the VllmConfig in its worker process and calls, every decoding step,
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rollout.history import HistoryConfig, HistoryStore
+from rollout.drafters.history import HistoryConfig, HistoryStore
 
 METHOD = "custom_class"
 CLASS_PATH = "rollout.vllm_history.HistoryVLLMProposer"
@@ -36,7 +36,7 @@ class _Row:
 
 
 class HistoryVLLMProposer:
-    """rollout.history's drafter as vLLM's custom proposer (built by vLLM in its worker)."""
+    """rollout.drafters.history's drafter as vLLM's custom proposer (built by vLLM in its worker)."""
 
     def __init__(self, vllm_config):
         spec = vllm_config.speculative_config

@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from types import SimpleNamespace
 
 import torch
 
@@ -34,6 +33,7 @@ from rollout.protocol import Trajectory
 from specrl.integrations.areal import ChunkServer, areal_engine
 from specrl.presets import RunPreset, get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts
+from specrl.step_clock import StepClock
 from specrl.train_rl import RLCallback, RLRun, build_cotrainer
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir
@@ -94,14 +94,12 @@ class AsyncConfig:
 
 
 def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = "online", acfg: AsyncConfig | None = None,
-                   steps: int | None = None, seed: int = 0, cache_dir=None, fault_at_step: int | None = None,
+                   steps: int | None = None, seed: int = 0, cache_dir=None,
                    callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
     """`steps` asynchronous GRPO steps; returns {"rows": one dict per step, "summary": ..., "run": ...}.
-    `fault_at_step`: make the engine's draft raise in its next forward after that step starts (a
-    draft-side fault the run must absorb). `callbacks` (specrl.train_rl.RLCallback) see an RLRun
-    whose engine is the ChunkServer, plus `run.areal` (the AReaL engine) and `run.last_batch`
-    (the step's trajectories and each token's policy version); they run with generation paused,
-    outside the step's wall time."""
+    `callbacks` (specrl.train_rl.RLCallback) see an RLRun whose engine is the ChunkServer, plus
+    `run.areal` (the AReaL engine) and `run.last_batch` (the step's trajectories and each
+    token's policy version); they run with generation paused, outside the step's wall time."""
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
     from areal.workflow.rlvr import RLVRWorkflow
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -123,7 +121,7 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
     cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log)
     cotrain.attach(server, trainer)
 
-    G, B = preset.group_size, preset.prompts_per_step
+    B = preset.prompts_per_step
     groups_in_flight = acfg.concurrent_groups or (acfg.staleness + 1) * B
     config = InferenceEngineConfig(consumer_batch_size=B, max_head_offpolicyness=acfg.staleness,
                                    max_concurrent_rollouts=groups_in_flight, enable_rollout_tracing=False)
@@ -153,50 +151,14 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
             server.continue_generation()
             areal.resume()
 
-    rows, fetched = [], [0]
-    ready: list[dict] = []  # groups AReaL returned beyond a step's batch, for the next step
-
-    def fetch():
-        got = areal.prepare_batch(loader, workflow, group_size=G)
-        fetched[0] += len(got)
-        return got
+    loop = _AsyncLoop(run, areal, server, loader, workflow, acfg)
+    rows = []
     t_run = time.perf_counter()
     try:
         paused(lambda: [cb.on_start(run) for cb in callbacks])
         for step in range(preset.rl_steps):
-            t0 = time.perf_counter()
-            if fault_at_step == step and cotrain.enabled:
-                inject_draft_fault(engine)
-            cotrain.begin_step()
-            # the "wait" window: while the next batch is still being generated (groups taken from
-            # AReaL and not yet used count as ready)
-            waited = cotrain.train_while(lambda: batch_pending(areal, fetched[0] - len(ready), B))
-            t_wait_draft = time.perf_counter()
-            batch, ready, stale = fresh_groups(ready, step, acfg.staleness, B, fetch)
-            t1 = time.perf_counter()
-            trajs, rewards, versions = batch_to_trajectories(batch, (tokenizer.eos_id,))
-            heads = [v[0] for v in versions if v]
-            finished = server.take_finished()
-            cotrain.on_rollout([SimpleNamespace(spec=s) for s in finished])
-            metrics = trainer.step(trajs, rewards, G)
-            t2 = time.perf_counter()
-            areal.pause()
-            server.load_policy_weights(policy.state_dict(), step + 1)
-            areal.set_version(step + 1)
-            areal.resume()
-            t3 = time.perf_counter()
-            cotrain.on_policy_update()
-            cotrain.train_draft()
-            row = {"step": step, **metrics, **cotrain.end_step(),
-                   "staleness_max": step - min(heads), "staleness_mean": step - sum(heads) / len(heads),
-                   "wait_s": t1 - t_wait_draft, "update_s": t2 - t1, "policy_sync_s": t3 - t2,
-                   "draft_wait_s": t_wait_draft - t0, "draft_wait_updates": waited,
-                   "draft_s": time.perf_counter() - t3, "step_s": time.perf_counter() - t0,
-                   "tokens": sum(len(t.token_ids) for t in trajs), "rollouts_finished": len(finished),
-                   "stale_groups_dropped": stale,
-                   "spec_faults_total": len(server.draft_faults)}
+            row = async_step(loop, step)
             rows.append(row)
-            run.last_batch = (trajs, versions)
             paused(lambda: [cb.on_step_end(run, step, row) for cb in callbacks])
             log(f"[async η={acfg.staleness}] step {step}: reward {row['reward']:.2f} staleness ≤ {row['staleness_max']} "
                 f"accept {row.get('rollout/spec_accept_length', 0.0):.2f} step {row['step_s']:.2f}s")
@@ -212,6 +174,63 @@ def train_async_rl(task_name: str, preset_name: str | RunPreset, *, spec: str = 
         areal.destroy()
         server.close()
     return {"rows": rows, "summary": summary, "run": run}
+
+
+@dataclasses.dataclass
+class _AsyncLoop:
+    """What every asynchronous step shares: the run, AReaL's engine, the chunk server, the data,
+    and the groups AReaL returned beyond a step's batch."""
+
+    run: RLRun
+    areal: object
+    server: ChunkServer
+    loader: object
+    workflow: object
+    acfg: AsyncConfig
+    fetched: int = 0  # groups taken from AReaL so far
+    ready: list = dataclasses.field(default_factory=list)  # of them, the groups not used yet
+
+    def fetch(self) -> list[dict]:
+        got = self.areal.prepare_batch(self.loader, self.workflow, group_size=self.run.preset.group_size)
+        self.fetched += len(got)
+        return got
+
+
+def async_step(loop: _AsyncLoop, step: int) -> dict:
+    """One asynchronous GRPO step, in the shape of specrl.train_rl.rl_step: the co-trainer's step
+    opens, the draft trains while the batch is still being generated ("wait" window), the batch
+    AReaL has ready and its acceptance, the policy update, the weights published AReaL's way, the
+    co-trainer's step boundary; returns the step's row."""
+    run, areal, server, B = loop.run, loop.areal, loop.server, loop.run.preset.prompts_per_step
+    cotrain, trainer, eos = run.cotrain, run.trainer, run.tokenizer.eos_id
+    clock = StepClock()
+    cotrain.begin_step()
+    # the "wait" window: while the next batch is still being generated (groups taken from AReaL and
+    # not yet used count as ready)
+    waited = cotrain.train_while(lambda: batch_pending(areal, loop.fetched - len(loop.ready), B))
+    clock.lap("draft_wait")
+    batch, loop.ready, stale = fresh_groups(loop.ready, step, loop.acfg.staleness, B, loop.fetch)
+    clock.lap("wait")
+    trajs, rewards, versions = batch_to_trajectories(batch, (eos,))
+    heads = [v[0] for v in versions if v]
+    finished = server.take_finished()
+    cotrain.on_rollout(finished)
+    metrics = trainer.step(trajs, rewards, run.preset.group_size)
+    clock.lap("update")
+    areal.pause()
+    server.load_policy_weights(run.policy.state_dict(), step + 1)
+    areal.set_version(step + 1)
+    areal.resume()
+    clock.lap("policy_sync")
+    row = {"step": step, **metrics, **cotrain.end_step(),
+           "staleness_max": step - min(heads), "staleness_mean": step - sum(heads) / len(heads),
+           "wait_s": clock.laps["wait"], "update_s": clock.laps["update"], "policy_sync_s": clock.laps["policy_sync"],
+           "draft_wait_s": clock.laps["draft_wait"], "draft_wait_updates": waited,
+           "draft_s": clock.lap("draft"), "step_s": clock.elapsed(),
+           "tokens": sum(len(t.token_ids) for t in trajs), "rollouts_finished": len(finished),
+           "stale_groups_dropped": stale, "spec_faults_total": len(server.draft_faults)}
+    run.last_batch = (trajs, versions)
+    return row
 
 
 def fresh_groups(ready: list[dict], version: int, staleness: int, batch: int, fetch) -> tuple[list[dict], list[dict], int]:
@@ -241,16 +260,4 @@ def batch_pending(areal, consumed: int, batch: int) -> bool:
     return stat.accepted - consumed < batch and stat.running > 0
 
 
-def inject_draft_fault(engine) -> None:
-    """Make the engine's draft raise once, in its next forward (a draft-side crash)."""
-    draft = engine.speculator.draft
-    forward = draft.forward
-
-    def broken(*a, **k):
-        draft.forward = forward
-        raise RuntimeError("injected draft fault")
-
-    draft.forward = broken
-
-
-__all__ = ["train_async_rl", "AsyncConfig", "TokenizerView", "task_reward", "batch_to_trajectories"]
+__all__ = ["train_async_rl", "async_step", "AsyncConfig", "TokenizerView", "task_reward", "batch_to_trajectories"]

@@ -42,8 +42,9 @@ def _own(t, dtype: torch.dtype) -> torch.Tensor:
 
     `.to()` returns its input unchanged when device and dtype already match, and a row sliced
     from a batch tensor is a view that keeps the whole batch alive; the byte count would then
-    understate what the buffer holds (by 2x to 5x in the issue's measurements). Copy whenever the
-    result shares storage with the input or its storage is larger than the tensor itself."""
+    understate what the buffer holds (several times over for rows sliced from batches). Copy
+    whenever the result shares storage with the input or its storage is larger than the tensor
+    itself."""
     src = torch.as_tensor(t).detach()
     out = src.to("cpu", dtype)
     shares = out.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()

@@ -21,9 +21,7 @@ import shlex
 import sys
 from pathlib import Path
 
-# int_list: the --batches type, which experiments/ reuses for its own command lines
-from specrl.commands import (BENCH_HELP, COMMAND_LINE, command_class, command_help, flag_options, from_flags,
-                             int_list, resolve)
+from specrl.commands import BENCH_HELP, COMMAND_LINE, command_class, command_help, flag_options, from_flags, resolve
 
 # The function each command runs, as "module:function", imported when the command runs. A
 # module's `headline(result)` (where it has one) gives the figures the command ends with.
@@ -111,9 +109,14 @@ def run(args: argparse.Namespace) -> dict:
 
 # -- what a command ends with ------------------------------------------------------------------
 def _train_rl_headline(s: dict) -> list[tuple[str, str]]:
-    return [("held-out reward", f"{s['reward_start']:.3f} -> {s['reward_end']:.3f}"),
+    from specrl.run_choice import describe
+
+    rows = [("held-out reward", f"{s['reward_start']:.3f} -> {s['reward_end']:.3f}"),
             ("greedy accuracy", f"{s['greedy_accuracy_start']:.3f} -> {s['greedy_accuracy_end']:.3f}"),
             ("RL steps", str(s["rl_steps"])), ("wall time", f"{s['wall_s']:.0f}s")]
+    if s.get("run_choice"):
+        rows.append(("speculation", describe(s["run_choice"])))
+    return rows
 
 
 def _train_draft_headline(s: dict) -> list[tuple[str, str]]:
@@ -152,7 +155,7 @@ def interrupted_line(key: str, argv: list[str], out: Path) -> str:
         return f"specrl: interrupted before anything was saved; run it again: specrl {shlex.join(argv)}"
     if key.startswith("drift"):
         return f"specrl: interrupted; a drift run does not resume: run it again with another --out (or remove {out})"
-    return f"specrl: interrupted; nothing was saved (results are written at the end): run it again"
+    return "specrl: interrupted; nothing was saved (results are written at the end): run it again"
 
 
 # How OS failures look when a library reports them as something other than OSError.

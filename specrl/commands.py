@@ -23,11 +23,11 @@ RL_PRESETS = "specrl.presets:RL_PRESETS"
 DRIFT_PRESETS = "experiments.drift:DRIFT_PRESETS"
 MAX_RL_STEPS = "specrl.presets:MAX_RL_STEPS"
 MAX_BATCH = "rollout.engine:MAX_BATCH"
-MAX_SPEC_DEPTH = "rollout.speculative:MAX_SPEC_DEPTH"
-MAX_TREE_BUDGET = "rollout.speculative:MAX_TREE_BUDGET"
+MAX_SPEC_DEPTH = "rollout.drafters:MAX_SPEC_DEPTH"
+MAX_TREE_BUDGET = "rollout.drafters:MAX_TREE_BUDGET"
 MOE_DISPATCHES = "target_training.model:MOE_DISPATCHES"
 
-TASK_HELP = ("a built-in task (arith, sort; word and champ: worked problems for a real model) or a local task file: .jsonl (one JSON object per line) or .parquet, "
+TASK_HELP = ("a built-in task (arith, sort; word and champ: worked problems for a real model) or a local task file: .jsonl (one JSON object per line), .json (JSON lines or one array of objects) or .parquet, "
              "with string fields 'prompt' and 'answer' (exact-match reward on the text after the last 'ans ', "
              "else the whole completion) and an optional 'split' ('train', or one of heldout/test/eval/validation/"
              "valid/val; without it a stable hash of the prompt holds out 1 prompt in 8)")
@@ -220,6 +220,9 @@ class TrainRL(Run):
                   "prompt (no model; with --spec frozen); hybrid: per row, whichever promises more")
     engine: Engine = flag("embedded", "rollout engine: specrl's embedded PyTorch engine, or vLLM (installed "
                                        "separately)")
+    reproducible: bool = flag(False, "fix every speculation and co-training decision at the start instead of "
+                                     "timing it: the preset's chain at every step, draft updates by count; two "
+                                     "runs with one seed, or a run and its resume, then train alike")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -233,7 +236,8 @@ class TrainRL(Run):
     def call(self) -> tuple[tuple, dict]:
         return self._task_preset_out(), {**self._common(), "resume": self.resume, "steps": self.steps,
                                          "progress": not self.no_progress, "spec": self.spec,
-                                         "engine": self.engine, "drafter": self.drafter}
+                                         "engine": self.engine, "drafter": self.drafter,
+                                         "reproducible": self.reproducible}
 
 
 @dataclass(kw_only=True)

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
-from rollout.history import HistoryConfig
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
+from rollout.drafters.history import HistoryConfig
 from target_training.config import require_positive
 
 Mode = Literal["off", "frozen", "online"]
@@ -149,7 +149,7 @@ class DraftBudgetConfig:
     saving_share: float | None = None
     """Price draft updates by what speculation saves: draft training may spend at most this
     share of the rollout seconds that speculation saves at its best (the engine's estimate,
-    `last_stats["spec_saved_s"]`), kept as a running credit (specrl.draft_budget). None: the
+    `RolloutStats.spec_saved_s`), kept as a running credit (specrl.draft_budget). None: the
     count rule alone decides. Needs an engine that estimates its saving (the embedded engine
     under the adaptive controller); elsewhere the count rule alone decides."""
     collapse_accept_length: float = 1.05
@@ -319,7 +319,7 @@ class CoTrainConfig:
     """Speculation in the engine: chain or tree, and how many draft tokens."""
     drafter: Drafter = "eagle3"
     """Who drafts: the EAGLE-3 head; "history": drafts from the in-flight siblings of a prompt's
-    group and from earlier answers to it (rollout.history: no model, nothing to train; mode
+    group and from earlier answers to it (rollout.drafters.history: no model, nothing to train; mode
     "frozen"); "hybrid": per row and step, whichever of the two promises more accepted tokens
     (the EAGLE-3 head trains online as usual). history and hybrid draft chains, on the embedded
     engine."""

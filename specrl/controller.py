@@ -1,46 +1,45 @@
-"""Adaptive speculation: per engine step, speculate or not, and how far, from measured numbers.
+"""Adaptive speculation: per engine step, speculate or not, and how far, from measured step times.
 
-Why measured: the textbook speedup (1 - a^(g+1)) / ((1 - a)(g c + 1)) assumes verifying g+1
-tokens costs one target step. For an MoE target it costs 1.5x to 3x more, depending on the batch
-size (docs/design.md section 4), so the only safe yardstick is the wall time of the engine's own
-steps. Per batch bucket (n_active rounded up) the controller keeps EMAs of seconds per plain
-step, seconds per speculative step and tokens emitted per sequence per step (accept length) per
-gamma, plus one global per-token acceptance alpha. Throughput per sequence is 1 / t_plain for
-plain decoding and accept_len(g) / t_spec(g) for gamma g; it speculates only when the best gamma
-beats plain by `margin`, so below break-even (large batch, low acceptance) it decodes plainly.
+Terms. An *arm* is plain decoding (0) or a chain of g draft tokens (a gamma; a tree budget in
+tree mode). A *bucket* is a batch-size class (n_active rounded up to `batch_buckets`) with
+estimates of its own: EMAs of seconds per step, t_plain and t_spec(g), and of tokens emitted per
+sequence per step (the accept length) per gamma. Alpha is one per-token acceptance shared by
+every bucket; E(a, g) = (1 - a^(g+1)) / (1 - a) is the iid chain model's accept length. The
+*anchors* are the shortest and the longest chain.
 
-Alpha ties the arms together: accept_len(g) = E(alpha, g) * r_g, E(a, g) = (1 - a^(g+1)) /
-(1 - a). Alpha comes from accepted / drafted by inverting the chain model (so it does not depend
-on the gamma it was measured with) and is shared by every arm and bucket: when the policy drifts
-away from the draft, the collapse measured on the arm being played lowers every estimate at
-once, and speculation switches off instead of trying each stale gamma in turn. Its EMAs are
-weighted by drafted tokens: one sequence drafting one token is a coin flip, not a trend.
-r_g, measured / modelled accept length of arm g in the bucket, absorbs what the iid chain model
-gets wrong (acceptance falling with depth, tree budgets standing in for gammas, harder tail
-sequences). Its memory is 1/ema times alpha's and it is shrunk toward 1 while it rests on few
-drafted tokens: a greedy controller keeping each arm's short-memory mean abandons arms right
-after an unlucky dip and never looks back.
+Decision. Throughput per sequence is 1 / t_plain for plain decoding and accept_len(g) / t_spec(g)
+for chain g; the best chain is played only when it beats plain by `margin`, so below break-even
+(large batch, low acceptance) the engine decodes plainly. Step times are measured, not modelled
+from costs: the textbook speed-up assumes verifying g+1 tokens costs one target step, which an
+MoE target does not honour, by a factor that depends on the batch size (docs/design.md section 4).
 
-Step times of the chains not measured are modelled: a speculative step is a verify forward and
-g draft steps, so per bucket its seconds are close to a line in g, t_spec(g) = a + b g, fitted
-to the chains measured `min_samples` times. Exploration therefore measures plain decoding and
-the shortest and longest chain only (the anchors); every other chain is known from the line
-until it is played and measured itself. Measuring every chain takes 18 speculative samples per
-bucket of chains 1..6, each of which, after a run of plain steps, pays the draft's catch-up over
-the positions it missed; the anchors take 6.
+Acceptance. accept_len(g) = E(alpha, g) * r_g. Alpha is inverted from accepted / drafted through
+the chain model (so it does not depend on the gamma it was observed at), its EMAs weighted by
+drafted tokens (one sequence drafting one token is a coin flip, not a trend). Being shared, it
+lets a collapse seen on the arm being played lower every estimate at once when the policy drifts
+from the draft, so speculation switches off instead of trying each stale gamma in turn. r_g, the
+arm's measured / modelled accept length in the bucket, absorbs what the iid model gets wrong
+(acceptance falling with depth, tree budgets standing in for gammas, harder tail sequences); its
+memory is 1/ema times alpha's and it is shrunk toward 1 while few drafted tokens back it, so an
+arm is not abandoned for good after one unlucky dip.
 
-Exploration is deterministic: until plain decoding and the anchors of a bucket have
-`min_samples` (a chain also counts as known once alpha has them, e.g. after
-`reset_acceptance`), they are tried in a fixed round-robin. Afterwards one non-chosen arm,
-rotating, is re-measured `explore_every` decisions after the decision last changed, and each
-re-measurement that leaves the decision as it was doubles the wait for the next, up to
-`explore_backoff` times explore_every: exploration costs at most 5 / explore_every of the
-steps, and less the longer a decision holds. A re-measurement plays its arm for five steps;
-the median of the last three replaces the arm's estimate (`_StepTime.renew`). While a chain is played, every
-other re-measurement is plain decoding's: plain is what every decision is weighed against, and
-nothing else refreshes it. A speculative re-measurement in a bucket that decodes plainly is
-dear (the draft catches up over every position it missed since its last step), and what drifts
-in RL, acceptance, reaches every bucket through alpha without it.
+Step times. A speculative step is a verify forward and g draft steps, so per bucket t_spec(g) is
+close to a line a + b g, fitted to the chains measured `min_samples` times. Exploration therefore
+measures plain decoding and the anchors only; every other chain is known from the line until it
+is played and measured itself. That keeps exploration cheap: each speculative sample taken after
+plain steps pays the draft's catch-up over the positions it missed. Samples are stored at context
+0 (`_Growth`) and filtered for outliers (`_StepTime`).
+
+Exploration is deterministic: a fixed round-robin over plain decoding and the anchors until each
+has `min_samples` (a chain also counts as known once alpha has them, e.g. after
+`reset_acceptance`). Afterwards one non-chosen arm, rotating, is re-measured `explore_every`
+decisions after the decision last changed; each re-measurement that leaves the decision as it was
+doubles the wait for the next, up to `explore_backoff` times explore_every, so exploration costs
+at most 5 / explore_every of the steps. A re-measurement plays its arm for five steps and renews
+its estimate (`_StepTime.renew`). While a chain is played, every other re-measurement is plain
+decoding's: every decision is weighed against plain, and nothing else refreshes it. A bucket that
+decodes plainly re-measures chains rarely: that is dear (the draft catches up over every position
+it missed), and acceptance, what drifts in RL, reaches it through alpha anyway.
 """
 from __future__ import annotations
 
@@ -49,6 +48,7 @@ import math
 import statistics
 from dataclasses import asdict
 
+from rollout.protocol import StepStats
 from specrl.config import ControllerConfig
 
 
@@ -96,24 +96,19 @@ class _Ema:
 
 
 class _StepTime(_Ema):
-    """Seconds per step of one arm: an EMA of the median of its last five measured steps (the
-    lower median while fewer are in). A step the OS preempts, or one that carries an admission's
-    prefill, is a long sample, not a property of the arm. Fed to the EMA as it was, one 4x step
-    moved the estimate up by 60%, and an arm that looks slower is re-measured only once per
-    `explore_every` decisions, so it stayed abandoned (test_controller). Such steps come in twos
-    as well: on `drift`, plain steps at batch 64 of 4.8 ms were followed by two of 9.2 and 7.5 ms,
-    which a median of three passed, and the controller left plain decoding for chains on them.
-    A lasting change passes the filter from its third step on.
+    """Seconds per step of one arm: an EMA of the median of its last WINDOW steps (the lower
+    median while fewer are in). A step the OS preempts, or one that carries an admission's
+    prefill, is a long sample, not a property of the arm: fed to the EMA as it is, it makes the
+    arm look slower, and an arm that looks slower is re-measured only once per `explore_every`
+    decisions, so it would stay abandoned. Such steps can come in pairs, hence a window of five
+    rather than three; a lasting change passes the filter from its third step on.
 
     A re-measurement (`renew`) is different: the arm was not played for a while, so its old
     samples are stale, not evidence. Its next SETTLE + RENEW samples are taken alone, and the
-    median of the last RENEW replaces the estimate. Fed to the EMA instead, a spell of slow plain
-    steps on `drift` left plain decoding's estimate 45% high for 19 rollouts, re-measured two
-    samples at a time. The first SETTLE are a switch's, not the arm's: on the embedded CPU
-    engine, plain steps at batch 64 right after a run of chains took 9.5, 9.3 and 6.9 ms, then
-    5.6 ms like the plain steps before them (and a chain's first step pays the draft's
-    catch-up). The median of the first three put plain's estimate at 9.3 ms, a chain then
-    looked 2x faster than plain and was played for five rollouts."""
+    median of the last RENEW replaces the estimate, so a stale estimate is corrected at once
+    rather than a few samples at a time. The first SETTLE are a switch's, not the arm's: on the
+    CPU engine the first plain steps after a run of chains run slow (and a chain's first step
+    pays the draft's catch-up), so the renewed estimate leaves them out."""
 
     __slots__ = ("recent", "renewing")
     WINDOW = 5
@@ -145,13 +140,11 @@ class _StepTime(_Ema):
 
 class _Growth:
     """How a bucket's step time grows with context: t(L) = t0 (1 + k L), L the mean cached tokens
-    per active sequence at the step, k shared by every arm of the bucket. Within one rollout's
-    full-batch phase on `drift`, plain steps went from 4.7 to 5.6 ms and chains of 2 from 9.7 to
-    11.5 ms: both about +20%, their ratio unchanged. Arms measured at different contexts (a
-    re-measurement of plain late in a phase, a chain early in the next) were compared as if the
-    context were the same, and a chain estimated at x1.25 over plain ran at x1.07. So every arm's
-    samples are stored at context 0 (divided by 1 + k L), where the arms compare as they would at
-    one context; k is fitted on runs of CHUNK steps of one arm (Theil-Sen: a preempted step does
+    per active sequence at the step, k shared by every arm of the bucket: plain steps and chains
+    grow alike over a rollout, their ratio unchanged, so arms measured at different contexts (a
+    re-measurement of plain late in a phase, a chain early in the next) must not be compared
+    as they are. Every arm's samples are stored at context 0 (divided by 1 + k L), where the
+    arms compare as they would at one context; k is fitted on runs of CHUNK steps of one arm (Theil-Sen: a preempted step does
     not tilt it) whose contexts span at least SPAN tokens, and kept as an EMA of those fits."""
 
     __slots__ = ("k", "n", "arm", "run")
@@ -259,13 +252,13 @@ class _Bucket:
                 "context": self.context, **per_arm}
 
     def load(self, s: dict) -> None:
-        self.plain = _StepTime(*s["plain"])  # states saved before the filter lack `recent`: empty
-        self.growth = _Growth(*s.get("growth", ()))  # states saved before the growth model: k = 0
+        self.plain = _StepTime(*s["plain"])  # a saved state without `recent`: empty
+        self.growth = _Growth(*s.get("growth", ()))  # a saved state without `growth`: k = 0
         self.context = s.get("context")
         for k in _PER_ARM:
             kind = _StepTime if k == "spec" else _Ema
             setattr(self, k, {int(g): kind(*v) for g, v in s[k].items()})
-        counters = [int(x) for x in s["counters"]] + [0, -1, 0, 0][len(s["counters"]) - 4:]  # older: 4 or 6
+        counters = [int(x) for x in s["counters"]] + [0, -1, 0, 0][len(s["counters"]) - 4:]  # a saved state may hold 4 or 6
         (self.decisions, self.rr, self.since, self.rotate, self.interval, self.last_best,
          self.re_arm, self.re_left) = counters
 
@@ -348,6 +341,19 @@ class SpeculationController:
         the context of the bucket's last timed step), or None."""
         b = self.buckets[self.bucket_of(n_active)]
         return b.plain.value * b.growth.factor(b.context) if b.plain.n else None
+
+    def max_depth(self) -> int:
+        return max(self.config.gammas)
+
+    def observe(self, step: StepStats) -> None:
+        """What an engine step did (rollout.protocol.StepPolicy): a plain step's time, or a
+        speculative step's time and acceptance. A step whose time is not its decoding alone
+        (seconds None) still tells acceptance."""
+        if step.gamma:
+            self.observe_spec(step.n_active, step.gamma, step.seconds, step.tokens_per_seq, step.accepted,
+                              step.drafted, step.context)
+        elif step.seconds is not None:
+            self.observe_plain(step.n_active, step.seconds, step.context)
 
     def observe_plain(self, n_active: int, seconds: float, context: float | None = None) -> None:
         """One plain step over n_active sequences holding `context` cached tokens each on average
@@ -491,147 +497,6 @@ class SpeculationController:
         for k, s in state["buckets"].items():
             self.buckets[int(k)].load(s)
         self._step_gamma = None
-
-
-class RunChoice:
-    """Speculate or not, per rollout, from the measured tokens per second of whole rollouts.
-
-    What it is for. The per-step controller decides from its estimates of single engine steps,
-    and near break-even those are off by more than the margin: on `drift` (4-layer model, a draft
-    step a quarter of a target step) chains estimated at x1.1-1.3 at batch 64 ran at x0.9-1.0,
-    and the rollouts that played them were 4-5% slower than plain decoding (docs/results.md).
-    A whole rollout's tokens per second is what the run pays, so this is the yardstick above
-    the per-step one. On vLLM 0.32, which cannot switch its drafter off step by step, it is the
-    only one (a switch there is a restart without the drafter).
-
-    The first `warmup + rollouts` generate() calls speculate, the next `rollouts` decode plainly,
-    the first `warmup` calls being played but not timed. With `rewarm` every block starts with
-    `warmup` such calls: on vLLM each block follows a restart, and a restarted engine's first
-    rollouts measured up to 25% slower than later ones. The embedded engine switches for free;
-    only its first block waits, while the per-step controller explores. The choice is then to
-    speculate iff the median tokens per second of the last `rollouts` speculating calls is at
-    least `margin` times the plain calls'. Tokens per second, not seconds per call: the calls
-    hold different prompts.
-
-    Shortcut: where the engine estimates the saving of each speculating call (the embedded
-    engine's controller does, from its step times) and every timed call of a speculating block
-    is estimated at least `sure` times faster than plain decoding, speculation is kept without
-    timing plain decoding: an estimate can be 10% off, not 25%, and a block of plain rollouts
-    where speculation wins 1.7x (the `speed` preset) would cost more than it could find.
-
-    With `recheck` > 0, the arm not chosen is timed again `recheck` calls after a decision (one
-    block), and each re-check that leaves the choice as it was doubles the wait, up to 8x: the
-    policy and the draft drift, and a choice made on the first rollouts of a run need not hold
-    for the rest. Without it the first choice is final (vLLM: two restarts per re-check).
-
-    The engine asks `arm()` before each call and reports it with `record`."""
-
-    BACKOFF = 8
-
-    def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05, recheck: int = 0,
-                 sure: float | None = None, rewarm: bool = True):
-        if rollouts < 1 or warmup < 0 or recheck < 0:
-            raise ValueError(f"RunChoice needs rollouts >= 1, warmup >= 0 and recheck >= 0, got {rollouts}, "
-                             f"{warmup}, {recheck}")
-        self.rollouts, self.warmup, self.margin = int(rollouts), int(warmup), float(margin)
-        self.recheck, self.sure, self.rewarm = int(recheck), sure, bool(rewarm)
-        self.rates: dict[str, list[float]] = {"spec": [], "plain": []}  # the last `rollouts` timed calls per arm
-        self.estimated: list[float] = []  # the engine's speed-up estimates of the last timed speculating calls
-        self.calls = 0
-        self.speculate: bool | None = None  # the choice, once both arms are timed (or the estimate is sure)
-        self.chosen_speedup: float | None = None  # speedup() when the choice was last made
-        # the calls still to time, in order: (arm, timed); a warm-up call is played, not timed
-        self.queue = self._block("spec", self.warmup) + self._block("plain", self.warmup if self.rewarm else 0)
-        self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
-
-    def _block(self, arm: str, warmup: int) -> list:
-        return [(arm, False)] * warmup + [(arm, True)] * self.rollouts
-
-    def arm(self) -> str:
-        """"spec" or "plain": how the next generate() call decodes."""
-        if self.queue:
-            return self.queue[0][0]
-        return "spec" if self.speculate else "plain"
-
-    def record(self, arm: str, tokens: int, seconds: float, est_saved_s: float | None = None) -> None:
-        """A generate() call decoded as `arm` emitted `tokens` in `seconds`; `est_saved_s`: the
-        engine's estimate of the seconds speculation saved in it (None: not estimated)."""
-        self.calls += 1
-        timing = bool(self.queue)
-        timed = self.queue.pop(0)[1] if timing else True
-        if timed and seconds > 0:
-            self.rates[arm] = (self.rates[arm] + [tokens / seconds])[-self.rollouts:]
-            if arm == "spec":
-                est = None if est_saved_s is None else (seconds + est_saved_s) / seconds
-                self.estimated = (self.estimated + [est])[-self.rollouts:]
-        if timing:
-            if self.queue and self.queue[0][0] == "plain" and self._sure():
-                self.queue = []  # speculation estimated well above plain: nothing to time against
-            if not self.queue:
-                self._choose()
-            return
-        self.since += 1
-        if self.recheck and self.since >= self.interval:
-            self.since = 0
-            if self.speculate and self._sure():  # still far above plain: no block of plain calls
-                self.interval = min(2 * self.interval, self.BACKOFF * self.recheck)
-                return
-            self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
-
-    def _sure(self) -> bool:
-        e = self.estimated
-        return (self.sure is not None and len(e) == self.rollouts
-                and all(x is not None and x >= self.sure for x in e))
-
-    def _choose(self) -> None:
-        speedup = self.speedup()
-        choice = self._sure() if speedup is None else speedup >= self.margin  # measured, where it is
-        if self.speculate is not None:  # a re-check: one that changes nothing doubles the wait
-            same = choice == self.speculate
-            self.interval = min(2 * self.interval, self.BACKOFF * self.recheck) if same else self.recheck
-        self.speculate, self.chosen_speedup, self.since = choice, speedup, 0
-
-    def speedup(self) -> float | None:
-        """Median speculating over median plain tokens per second (None until both are timed)."""
-        if not self.rates["spec"] or not self.rates["plain"]:
-            return None
-        return statistics.median(self.rates["spec"]) / statistics.median(self.rates["plain"])
-
-    def saved_s(self, tokens: int, seconds: float) -> float | None:
-        """A decided call's estimated saving: the time plain decoding takes for its tokens at the
-        measured rate, less its own (0 once plain decoding is chosen; None before the choice, or
-        without a plain rate)."""
-        if self.speculate is None:
-            return None
-        if not self.speculate:
-            return 0.0
-        if not self.rates["plain"]:
-            return None
-        return tokens / statistics.median(self.rates["plain"]) - seconds
-
-    def summary(self) -> dict:
-        return {"speculate": self.speculate, "speedup": self.chosen_speedup, "rollouts": self.rollouts,
-                "warmup": self.warmup, "calls": self.calls, "tokens_per_s": {k: list(v) for k, v in self.rates.items()},
-                "estimated_speedup": list(self.estimated)}
-
-    def state_dict(self) -> dict:
-        # rollouts, warmup, margin, recheck, sure and rewarm come from the config
-        return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
-                "chosen_speedup": self.chosen_speedup, "estimated": list(self.estimated),
-                "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.calls, self.speculate = int(state["calls"]), state["speculate"]
-        self.rates = {k: [float(x) for x in v] for k, v in state["rates"].items()}
-        self.estimated = list(state.get("estimated", []))
-        self.chosen_speedup = state.get("chosen_speedup", self.speedup() if self.speculate is not None else None)
-        if "queue" in state:
-            self.queue = [(str(a), bool(t)) for a, t in state["queue"]]
-        elif self.speculate is not None:  # saved before re-checks (vLLM): the choice is final
-            self.queue = []
-        else:  # saved while timing, before re-checks: time both blocks again
-            self.rates = {"spec": [], "plain": []}
-        self.since, self.interval = int(state.get("since", 0)), int(state.get("interval", self.recheck))
 
 
 def batch_schedule(speedups: dict[int, float], gamma: int, max_batch: int, margin: float = 1.05) -> list[tuple]:

@@ -3,18 +3,18 @@
     cotrain = SpecCoTrainer(draft, CoTrainConfig(mode="online"))
     cotrain.attach(engine, trainer)           # speculation in the engine, feature hook in the trainer
     for step in ...:
-        cotrain.begin_step()
+        cotrain.begin_step()                  # speculate this step or not (the run choice)
         trajs = engine.generate(...)          # speculative, lossless; long tail trains the draft
-        cotrain.on_rollout(trajs)             # acceptance statistics (+ engine-side features)
+        cotrain.on_rollout(trajs)             # acceptance and the rollout's figures (+ engine-side features)
         trainer.step(...)                     # its log-prob forward feeds the feature buffer
-        cotrain.on_policy_update()            # the policy moved: version += 1
-        cotrain.train_draft()                 # draft updates (or, overlapped, the step boundary); hot swap
-        log(cotrain.metrics())
+        log(cotrain.end_step())               # the step boundary: policy version += 1, draft updates, hot swap
 
-The core drives the engine only through rollout.protocol.DraftReceiver (install a draft, push
-fresh weights with a version, read acceptance from Trajectory.spec) and takes features from a
+The core drives the engine only through rollout.protocol.DraftReceiver (install a drafter,
+switch speculation per step, push fresh weights with a version, read acceptance from
+Trajectory.spec and the rollout's figures from Rollout.stats) and takes features from a
 rollout.protocol.FeatureSource (the trainer's log-prob forward) or from an engine that captures
-them; so the embedded engine and vLLM plug in the same way.
+them; so the embedded engine and vLLM plug in the same way. The per-rollout choice of whether to
+speculate (specrl.run_choice) is the core's: engines only expose the switch.
 
 Modes: "off" attaches nothing (the host loop runs exactly as without specrl), "frozen"
 speculates with the starting draft, "online" also trains it. Every draft-side failure is
@@ -22,19 +22,22 @@ caught, logged and counted: speculation falls back to plain decoding; the RL run
 """
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
 import torch
 
-from draft_models.checkpoint import check_draft_weights
-from rollout.protocol import DraftReceiver, FeatureSource, IdleWindows, summarize_spec_stats
+from draft_models.checkpoint import check_draft_weights, copy_draft_weights
+from rollout.drafters import DrafterSpec
+from rollout.protocol import DraftReceiver, FeatureSource, Rollout, RolloutStats, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
 from specrl.config import CoTrainConfig
-from specrl.controller import RunChoice, SpeculationController, alpha_from_ratio, expected_accept_length
+from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
 from specrl.draft_budget import DraftBudget
 from specrl.online_trainer import OnlineDraftTrainer
 from specrl.overlap import OverlappedBursts
+from specrl.run_choice import RunChoice
 from specrl.scheduler import DraftScheduler
 
 # Fewer drafted tokens in a rollout than this say nothing about the draft: under the adaptive
@@ -51,7 +54,7 @@ class SpecCoTrainer:
         self.engine = None
         self.trainer = None
         self.controller = None
-        self.run_choice = None  # speculate or not per rollout, from whole rollouts (specrl.controller.RunChoice)
+        self.run_choice = None  # speculate or not per rollout, from whole rollouts (specrl.run_choice)
         self.draft_trainer = None
         self.faults = 0
         self._faults_seen = 0  # engine draft faults already reported by on_rollout
@@ -63,11 +66,11 @@ class SpecCoTrainer:
         self._sync_s = 0.0
         self._capture_s0 = 0.0
         self._overlap = None  # the overlapped-burst runner (online mode, SchedulerConfig.mode "overlap")
-        self.history = None  # the history drafter's store (drafter "history" or "hybrid"): rollout.history
+        self.history = None  # the history drafter's store (drafter "history" or "hybrid"): rollout.drafters.history
         if cfg.mode == "off":
             return
         if cfg.drafter != "eagle3":
-            from rollout.history import HistoryStore
+            from rollout.drafters.history import HistoryStore
 
             self.history = HistoryStore(cfg.history)
         # the engine speculates with its own copy; the trainer's copy is pushed when it improves
@@ -99,33 +102,27 @@ class SpecCoTrainer:
             return self
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
-        c = self.config.controller
+        caps, c = engine.capabilities, self.config.controller
         if self.controller is not None:
-            per_step = getattr(engine, "takes_controller", False)
-            per_run = getattr(engine, "takes_run_choice", False)
-            if per_run and c.run_rollouts:
+            if caps.switch is not None and c.run_rollouts:
                 # speculate or not per rollout, from whole rollouts' speed: above the per-step
-                # controller (the embedded engine: a switch is free, so re-checked), or instead of it
-                # (vLLM: a switch is a restart, so the first choice is final)
+                # controller where a switch is free (so re-checked), or instead of it where a switch
+                # is a restart (vLLM: the first choice is final)
                 self.run_choice = (RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure,
-                                             rewarm=False) if per_step else RunChoice(c.run_rollouts, c.run_warmup, c.margin))
-                engine.choose_per_run(self.run_choice)
-            elif not per_step:
-                how = "ControllerConfig.run_rollouts is 0" if per_run else "nor a choice per run"
+                                             rewarm=False) if caps.switch == "free"
+                                   else RunChoice(c.run_rollouts, c.run_warmup, c.margin))
+            elif not caps.step_policy:
+                how = "ControllerConfig.run_rollouts is 0" if caps.switch is not None else "nor a choice per run"
                 warnings.warn(f"{type(engine).__name__} takes no per-step controller ({how}): it speculates on "
                               f"every step, as CoTrainConfig.spec says", RuntimeWarning)
-            if not per_step:
+            if not caps.step_policy:
                 self.controller = None
-        if self.history is None or not hasattr(engine, "install_history"):
-            engine.install_draft(self.draft, self.config.spec, controller=self.controller)
-        if self.history is not None:  # who drafts: rollout.history (vLLM: in its worker, rollout.vllm_history)
-            from rollout.history import install_history
-
-            install_history(engine, self.history, self.config.drafter, self.config.spec)
+        engine.install_draft(DrafterSpec(self.config.drafter, draft=self.draft, spec=self.config.spec,
+                                         history=self.history), self.controller)
         if self.draft_trainer is None:
             return self
         source = self.config.feature_source
-        if source in ("engine", "both") and not getattr(engine, "captures_features", False):
+        if source in ("engine", "both") and not caps.captures_features:
             raise ValueError(f"feature_source={source!r}: {type(engine).__name__} does not capture features; "
                              f"use feature_source='trainer'")
         if trainer is not None and source in ("trainer", "both"):
@@ -140,7 +137,7 @@ class SpecCoTrainer:
 
             trainer.add_feature_hook(layer_ids, hook)
         sequential = self._overlap is None  # overlapped: the burst is the only window
-        if sequential and "tail" in self.config.scheduler.windows and isinstance(engine, IdleWindows):
+        if sequential and "tail" in self.config.scheduler.windows and caps.idle_windows:
             engine.step_hooks.append(self._tail_hook)
         if sequential and trainer is not None and "interleaved" in self.config.scheduler.windows:
             if not hasattr(trainer, "microstep_hooks"):
@@ -149,10 +146,14 @@ class SpecCoTrainer:
             trainer.microstep_hooks.append(self._interleaved_hook)
         return self
 
-    @property
-    def speculator(self):
-        """The embedded engine's Speculator (tests and experiments that inspect its draft)."""
-        return getattr(self.engine, "speculator", None) if self.enabled else None
+    def serving_draft(self):
+        """A copy of the draft the engine speculates with now, as a module (what experiments
+        evaluate), read through the protocol (`draft_weights`); None without a draft model."""
+        if not self.enabled or self.draft is None:
+            return None
+        draft = copy.deepcopy(self.draft)  # the structure (and the target embedding's reference)
+        copy_draft_weights(draft, self.engine.draft_weights()[0])
+        return draft
 
     @property
     def enabled(self) -> bool:
@@ -163,6 +164,27 @@ class SpecCoTrainer:
         """Pass as generate(capture_features=...) when the engine is a feature source."""
         return self.config.mode == "online" and self.config.feature_source in ("engine", "both")
 
+    def _observe_run(self, stats: RolloutStats | None) -> float | None:
+        """Report the rollout to the run choice; returns the seconds speculation saved in it, as
+        the priced budget reads them: the engine's estimate where it makes one (from measured
+        plain steps), else the run choice's (tokens at the measured plain rate, less the time);
+        0 once plain decoding is chosen; None when unknown."""
+        if stats is None:
+            return None
+        choice, saved = self.run_choice, stats.spec_saved_s
+        if choice is None:
+            return saved
+        # the rollout alone: draft training in its tail window would be charged to the arm that ran it
+        seconds = stats.rollout_s
+        choice.record("spec" if stats.speculated else "plain", stats.tokens, seconds,
+                      saved if stats.speculated else None)
+        if saved is None:
+            if not stats.speculated and choice.speculate is False:
+                saved = 0.0  # plain decoding chosen: speculation saves nothing
+            elif not self.engine.capabilities.step_policy:
+                saved = choice.saved_s(stats.tokens, seconds)
+        return saved
+
     def _plain_chosen(self) -> bool:
         """The run choice is plain decoding (for good on vLLM; until a re-check on the embedded
         engine) and draft updates are priced: none are paid for, so the trainer's forward captures
@@ -171,8 +193,12 @@ class SpecCoTrainer:
 
     # -- RL loop hooks --------------------------------------------------------------------
     def begin_step(self) -> None:
+        """Open an RL step: the run choice switches the engine's speculation on or off for its
+        rollout, and the step's draft-time accounting starts."""
         if not self.enabled:
             return
+        if self.run_choice is not None:
+            self.engine.set_speculation(self.run_choice.arm() == "spec")
         self.scheduler.begin_step()
         self._draft_steps_this_rl_step = 0
         self._burst_s = 0.0  # seconds of the draft updates recorded this step (priced budgets pay them)
@@ -185,9 +211,13 @@ class SpecCoTrainer:
         self._capture_s0 = self.buffer.capture_seconds
 
     def on_rollout(self, trajectories) -> dict:
-        """Acceptance statistics of a rollout batch (and its features, for the engine source)."""
+        """Acceptance statistics of a rollout batch, and the rollout's figures (a Rollout's
+        `stats`) for the run choice and the priced budget (and its features, for the engine
+        source)."""
         if not self.enabled:
             return {}
+        stats = trajectories.stats if isinstance(trajectories, Rollout) else None
+        saved = self._observe_run(stats)
         agg = summarize_spec_stats(t.spec for t in trajectories)
         self._rollout_metrics = {
             "rollout/spec_accept_length": agg["accept_length"],
@@ -218,7 +248,7 @@ class SpecCoTrainer:
             signal = expected_accept_length(alpha, self.config.spec.gamma)
             self._rollout_metrics["rollout/spec_accept_length_at_gamma"] = signal
         self.budget.observe(signal, measured)
-        self.budget.observe_saving((getattr(self.engine, "last_stats", None) or {}).get("spec_saved_s"))
+        self.budget.observe_saving(saved)
         self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
                                       "rollout/spec_collapse_alarms": self.budget.alarms})
         if self.capture_engine_features:
@@ -228,28 +258,6 @@ class SpecCoTrainer:
             self.wait_for_draft()
             self.scheduler.charge("between", time.perf_counter() - t0)
         return self._rollout_metrics
-
-    def on_policy_update(self, kl: float | None = None) -> None:
-        """The policy moved: version += 1. `kl`, if the host measures it, is how far this update
-        moved the policy; the acceptance-driven budget spends more draft updates on large moves."""
-        if self.enabled:
-            self.policy_version += 1
-            self.budget.observe_kl(kl)
-
-    def train_draft(self, window: str = "between") -> dict:
-        """Sequential mode: run draft updates within the scheduler's remaining budget, then
-        hot-swap the weights. Overlapped mode (SchedulerConfig.mode): this call is the step
-        boundary; it collects the burst started at the previous call (waiting if it still runs),
-        swaps its weights into the engine, and starts the next burst in the background."""
-        if self.draft_trainer is None:
-            return {}
-        if self._overlap is not None:  # a step boundary: collect the burst, swap, start the next
-            t0 = time.perf_counter()
-            self._overlap_boundary()
-            self.scheduler.charge("between", time.perf_counter() - t0)
-            return self.metrics()
-        self.scheduler.run_window(window, self._train_burst)
-        return self.metrics()
 
     def train_while(self, waiting) -> int:
         """The "wait" window of an asynchronous loop: draft updates, one at a time, while
@@ -267,10 +275,23 @@ class SpecCoTrainer:
             n += 1
         return n
 
-    def end_step(self) -> dict:
-        """Close the RL step's accounting; returns the metrics to log."""
+    def end_step(self, kl: float | None = None, train: bool = True) -> dict:
+        """The step boundary, after the policy update: the policy moved (its version += 1; `kl`,
+        if the host measures it, is how far, and the acceptance-driven budget spends more draft
+        updates on large moves), then draft updates within the scheduler's remaining budget and
+        their hot swap (`train`; overlapped mode, SchedulerConfig.mode: collect the burst started
+        at the previous boundary, waiting if it still runs, swap it in, start the next), then the
+        step's accounting. Returns the metrics to log."""
         if not self.enabled:
             return {}
+        self.policy_version += 1
+        self.budget.observe_kl(kl)
+        if train and self._overlap is not None:
+            t0 = time.perf_counter()
+            self._overlap_boundary()
+            self.scheduler.charge("between", time.perf_counter() - t0)
+        elif train and self.draft_trainer is not None:
+            self.scheduler.run_window("between", self._train_burst)
         report = self.scheduler.end_step(time.perf_counter() - self._t_step)
         self._granted = self.budget.steps(self.config.max_draft_steps)  # this step's count, before paying for it
         self.budget.spend(self._burst_s + self._sync_s, self._draft_steps_this_rl_step)  # updates and their swaps
@@ -340,19 +361,28 @@ class SpecCoTrainer:
             self._mem_shrunk += 1
         return fit
 
-    def _train_burst(self, remaining_s: float, max_steps: int | None = None) -> float:
-        t0 = time.perf_counter()
+    def _plan_burst(self, spent: int, max_steps: int | None = None) -> tuple[int, int] | None:
+        """The next burst's (updates, batch size), or None: too few records, nothing left of the
+        step's update count once `spent` are deducted, or not even one record fits the memory
+        budget (skipped, reported in the metrics). The count is the cap, or what the
+        acceptance-driven rule grants from the rollouts observed so far (so the tail window goes by
+        the previous step's rollout)."""
         if len(self.buffer) < self.config.min_buffer_records:
-            return 0.0
-        # the step's update count: the cap, or what the acceptance-driven rule grants (it reads the
-        # rollouts observed so far, so the tail window goes by the previous step's rollout)
-        left = self.budget.steps(self.config.max_draft_steps) - self._draft_steps_this_rl_step
+            return None
+        left = self.budget.steps(self.config.max_draft_steps) - spent
         steps = left if max_steps is None else min(left, max_steps)
         if steps <= 0:
-            return 0.0
+            return None
         batch = self._memory_plan()
-        if batch == 0:  # even one record would exceed the memory budget: skip, reported in metrics
+        return (steps, batch) if batch else None
+
+    def _train_burst(self, remaining_s: float, max_steps: int | None = None) -> float:
+        """Run a planned burst now (the sequential windows) and swap its weights in."""
+        t0 = time.perf_counter()
+        plan = self._plan_burst(self._draft_steps_this_rl_step, max_steps)
+        if plan is None:
             return time.perf_counter() - t0
+        steps, batch = plan
         before, rollbacks = self.draft_trainer.version, self.draft_trainer.counters["rollbacks"]
         try:
             result = self.draft_trainer.train_for(self.buffer, steps, remaining_s, self.generator,
@@ -420,12 +450,11 @@ class SpecCoTrainer:
             self._wait_s += res["wait_s"]
         if self.draft_trainer.version != self._engine_version:
             self._push_weights()
-        if len(self.buffer) < self.config.min_buffer_records:
+        # the burst launched here trains under the next step: the one collected above does not count against it
+        plan = self._plan_burst(0)
+        if plan is None:
             return
-        steps = self.budget.steps(self.config.max_draft_steps)
-        batch = self._memory_plan() if steps > 0 else 0
-        if steps <= 0 or batch == 0:
-            return
+        steps, batch = plan
         budget = self.scheduler.budget_s  # the same time budget per step as the sequential windows
         launched = self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
                                         prefer_rejected=self.config.online.prefer_rejected,
@@ -511,3 +540,23 @@ class SpecCoTrainer:
         warnings.warn(f"the resumed engine draft is unusable ({problem}); speculating with the "
                       f"{which} draft instead", RuntimeWarning)
         return 1
+
+
+def brief(metrics: dict) -> str:
+    """A co-training step's metrics (`SpecCoTrainer.end_step`) in one line for the console; the
+    dict itself is for a logger (its keys are the field's metric names)."""
+    parts = []
+    if metrics.get("rollout/spec_verify_steps"):
+        parts.append(f"accept length {metrics['rollout/spec_accept_length']:.2f}")
+    elif "rollout/spec_verify_steps" in metrics:
+        parts.append("decoded plainly")
+    if "train/draft_version" in metrics:
+        loss = metrics.get("train/draft_loss")
+        parts.append(f"draft version {metrics['train/draft_version']} (+{metrics['train/draft_steps']} updates"
+                     + (f", loss {loss:.3f})" if loss is not None else ")"))
+        parts.append(f"co-training {metrics['perf/draft_overhead_s']:.2f}s")
+    if metrics.get("rollout/spec_run_choice") is not None:
+        parts.append("speculation " + ("kept" if metrics["rollout/spec_run_choice"] else "off") + " for the run")
+    if metrics.get("train/draft_faults"):
+        parts.append(f"{metrics['train/draft_faults']} draft faults absorbed")
+    return ", ".join(parts) or "co-training off"

@@ -18,7 +18,7 @@ import torch
 
 from draft_models.checkpoint import DraftCheckpointError, load_draft, save_draft
 from draft_models.config import Eagle3Config
-from draft_models.train import capture_features, train_offline
+from draft_models.train import capture_features, progress_bar, train_offline
 from draft_models.vocab import build_draft_vocab, count_tokens
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
@@ -30,13 +30,21 @@ from target_training.sft import default_cache_dir
 
 
 def rollout_records(policy, prompts: list[list[int]], params: SamplingParams, max_batch: int = 64,
-                    request_offset: int = 0):
-    """Sample responses from the policy; return (sequences, loss_masks) with the loss on responses."""
+                    request_offset: int = 0, progress: bool | None = False):
+    """Sample responses from the policy; return (sequences, loss_masks) with the loss on responses.
+    `progress`: a bar over the tokens decoded (draft_models.train.progress_bar)."""
     # the KV cache sized to the work, not to the model's context (a real model's 8192 tokens at batch 64
     # would take tens of GB and be attended over in full at every step)
     max_len = min(policy.cfg.max_seq_len, max(len(p) for p in prompts) + params.max_new_tokens)
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=max_batch, max_len=max_len))
-    trajs = engine.generate(prompts, params, request_ids=range(request_offset, request_offset + len(prompts)))
+    # every answer counted at its length cap: the time left it shows is an upper bound (answers stop early)
+    bar = progress_bar(progress, total=len(prompts) * params.max_new_tokens, desc="draft rollouts", unit="tok")
+    engine.step_hooks.append(lambda n_active, n_slots: bar.update(n_active))
+    try:
+        trajs = engine.generate(prompts, params, request_ids=range(request_offset, request_offset + len(prompts)))
+        bar.total = bar.n  # the tokens there were: the bar ends full
+    finally:
+        bar.close()
     seqs = [t.full_ids for t in trajs]
     masks = [[0] * len(t.prompt_ids) + [1] * len(t.token_ids) for t in trajs]
     return seqs, masks
@@ -54,10 +62,11 @@ def new_draft(policy, sequences, cfg: DraftTrainConfig, special_ids=(0, 1, 2)):
     return draft
 
 
-def fit_draft(draft, policy, sequences, masks, cfg: DraftTrainConfig, log=print) -> list[dict]:
-    data = capture_features(policy, sequences, masks, batch_size=64, d2t=draft.d2t)
+def fit_draft(draft, policy, sequences, masks, cfg: DraftTrainConfig, log=print,
+              progress: bool | None = False) -> list[dict]:
+    data = capture_features(policy, sequences, masks, batch_size=64, d2t=draft.d2t, progress=progress)
     hist = train_offline(draft, data, steps=cfg.steps, lr=cfg.lr, batch_size=cfg.batch_size, seed=cfg.seed,
-                         ttt_steps=cfg.ttt_steps, warmup=20)
+                         ttt_steps=cfg.ttt_steps, warmup=20, progress=progress)
     last = hist[-min(20, len(hist)):]
     acc0 = sum(h.get("acc_0", 0.0) for h in last) / len(last)
     log(f"[draft] trained {cfg.steps} steps on {len(sequences)} rollouts: loss {last[-1]['loss']:.3f}, "
@@ -65,15 +74,17 @@ def fit_draft(draft, policy, sequences, masks, cfg: DraftTrainConfig, log=print)
     return hist
 
 
-def train_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, log=print):
+def train_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, log=print, progress: bool | None = False):
     t0 = time.perf_counter()
     params = SamplingParams(temperature=cfg.temperature, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stop_ids,
                             seed=cfg.seed)
-    seqs, masks = rollout_records(policy, prompts[: cfg.n_sequences], params, request_offset=10_000_000)
+    log(f"[draft] training the offline draft: {min(len(prompts), cfg.n_sequences)} rollouts, then {cfg.steps} steps")
+    seqs, masks = rollout_records(policy, prompts[: cfg.n_sequences], params, request_offset=10_000_000,
+                                  progress=progress)
     log(f"[draft] sampled {len(seqs)} rollouts ({sum(sum(m) for m in masks)} response tokens) in "
         f"{time.perf_counter() - t0:.0f}s; training {cfg.steps} steps")
     draft = new_draft(policy, seqs, cfg)
-    fit_draft(draft, policy, seqs, masks, cfg, log)
+    fit_draft(draft, policy, seqs, masks, cfg, log, progress)
     return draft, {"draft_train_s": time.perf_counter() - t0}
 
 
@@ -85,8 +96,10 @@ def policy_fingerprint(policy) -> str:
     return h.hexdigest()[:16]
 
 
-def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache_dir: Path, log=print):
-    """Load the offline draft for this policy and these settings, or train and cache it."""
+def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache_dir: Path, log=print,
+                         progress: bool | None = None):
+    """Load the offline draft for this policy and these settings, or train and cache it, with
+    progress bars and the time left (`progress` None: on a terminal only)."""
     key = hashlib.sha256(json.dumps({"policy": policy_fingerprint(policy), "cfg": asdict(cfg),
                                      "prompts": hashlib.sha256(str(prompts).encode()).hexdigest()},
                                     sort_keys=True).encode()).hexdigest()[:16]
@@ -102,7 +115,7 @@ def cached_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, cache
         else:
             log(f"[draft] loaded cached offline draft from {path}")
             return draft, {"path": str(path), "cached": True}
-    draft, info = train_offline_draft(policy, prompts, cfg, stop_ids, log)
+    draft, info = train_offline_draft(policy, prompts, cfg, stop_ids, log, progress)
     save_draft(draft, path)
     log(f"[draft] cached at {path}")
     return draft, {"path": str(path), "cached": False, **info}

@@ -40,24 +40,36 @@ from specrl.config import OnlineDraftConfig
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
     """Counts the bytes autograd keeps for backward in a forward (each storage once; the draft's
     own parameters excluded, they are counted apart): the step's activation memory, measured on
-    any device."""
+    any device.
+
+    Storages are told apart by identity, not address: the allocator hands a freed storage's
+    address to the next one, which would then go uncounted (a figure that depends on when memory
+    is freed). Every storage seen is held until the hook exits, so no identity is reused either."""
 
     def __init__(self, params, inputs=()):
         self.nbytes = 0
-        seen = {p.untyped_storage().data_ptr() for p in params}
+        self._held: dict[int, torch.UntypedStorage] = {}  # id -> the storage, kept alive
+        for p in params:
+            self._held[id(p.untyped_storage())] = p.untyped_storage()
         for t in inputs:  # the step's input batch: counted once here, whether autograd saves it or not
-            if torch.is_tensor(t) and t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                self.nbytes += t.untyped_storage().nbytes()
+            if torch.is_tensor(t):
+                self._count(t)
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                self.nbytes += storage.nbytes()
+            self._count(t)
             return t
 
         super().__init__(pack, lambda t: t)
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()  # one Python object per storage, shared by all its views
+        if id(storage) not in self._held:
+            self._held[id(storage)] = storage
+            self.nbytes += storage.nbytes()
+
+    def __exit__(self, *args) -> None:
+        self._held.clear()  # the step is over: its storages may be freed
+        super().__exit__(*args)
 
 
 def _all_finite(obj) -> bool:

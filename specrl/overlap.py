@@ -8,7 +8,7 @@ when the next step boundary comes.
 
 The contract that keeps it safe:
 - Two copies of the draft. The burst trains the trainer's copy; the engine decodes with its own
-  copy, which only the RL loop's thread writes, at a step boundary (`SpecCoTrainer.train_draft`),
+  copy, which only the RL loop's thread writes, at a step boundary (`SpecCoTrainer.end_step`),
   never during a forward. A burst started at the end of step t is therefore swapped in at the
   end of step t+1: one step more staleness than the sequential mode.
 - A snapshot of the buffer. The burst's batches are drawn on the RL loop's thread when it starts

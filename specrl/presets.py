@@ -4,7 +4,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 from specrl.config import CoTrainConfig, ControllerConfig, DraftBudgetConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
 from target_training.config import require_positive
 from target_training.grpo import GRPOConfig
@@ -26,12 +26,16 @@ def adaptive_spec(spec: SpecConfig) -> dict:
     return {"spec": spec, "adaptive": True, "controller": ControllerConfig(gammas=tuple(range(1, spec.gamma + 1)))}
 
 
-def counted_spec(spec: SpecConfig) -> dict:
-    """adaptive_spec without the choice per rollout (ControllerConfig.run_rollouts = 0): every
-    rollout speculates where the per-step controller says, so a counted run's rollouts all carry
-    acceptance statistics, whatever the machine's speed made of its first rollouts."""
-    fields = adaptive_spec(spec)
-    return {**fields, "controller": dataclasses.replace(fields["controller"], run_rollouts=0)}
+def reproducible(cotrain: CoTrainConfig) -> CoTrainConfig:
+    """`cotrain` with every decision fixed at the start of the run instead of re-timed as it goes:
+    the configured chain at every engine step (no step controller, and so no choice per rollout),
+    draft updates by count in the window after the policy update (the scheduler's time budget
+    left wide), not priced by measured seconds. Two runs with one seed, or a run and its resume,
+    then decode, speculate and train alike on any machine; only their speeds differ."""
+    sched = cotrain.scheduler
+    return dataclasses.replace(cotrain, adaptive=False, scheduler=dataclasses.replace(
+        sched, budget_fraction=COUNTED_SCHEDULER.budget_fraction, min_budget_s=COUNTED_SCHEDULER.min_budget_s,
+        windows=COUNTED_SCHEDULER.windows, draft_steps=dataclasses.replace(sched.draft_steps, saving_share=None)))
 
 
 # Share of the rollout time speculation saves that draft training may spend (DraftBudgetConfig.saving_share):
@@ -134,8 +138,9 @@ COUNTED_SCHEDULER = SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, wi
 # same-seed drift runs. The adaptive controller is off here for the same reason: it decides from measured
 # step times, so the rollout steps that speculate, and the acceptance an acceptance-driven budget reads from
 # them, follow the machine's load (the tokens do not: speculation is lossless either way).
-DRIFT_COTRAIN_FIXED = dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, online=OnlineDraftConfig(lr=1e-3, batch_size=12),
-                                          scheduler=COUNTED_SCHEDULER, adaptive=False)
+DRIFT_COTRAIN_FIXED = reproducible(dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, scheduler=COUNTED_SCHEDULER,
+                                                       online=OnlineDraftConfig(lr=1e-3, batch_size=12)))
+
 
 def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     """Co-training that makes exactly `updates_per_step` draft updates per RL step (once the buffer
@@ -145,8 +150,8 @@ def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     its resume, train different numbers of steps. The time budget is left wide (min_budget_s) so
     the count alone decides; the drift experiment measures what such updates cost (about 5% per
     update of the RL step of the `quick` model on the 2-core CPU)."""
-    return CoTrainConfig(**counted_spec(SpecConfig(mode="chain", gamma=4)), max_draft_steps=updates_per_step,
-                         scheduler=COUNTED_SCHEDULER)
+    return reproducible(CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), max_draft_steps=updates_per_step,
+                                      scheduler=COUNTED_SCHEDULER))
 
 
 def acceptance_cotrain(most_per_step: int) -> CoTrainConfig:

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.protocol import SamplingParams
+from rollout.protocol import Rollout, SamplingParams
 from specrl.presets import RunPreset
 from target_training.config import model_config_for
 from target_training.real_models import ChatTokenizer, is_real_model, load_real_target
@@ -90,20 +90,20 @@ def spread_groups(n: int, group_size: int) -> list[int]:
     """The order in which a step's n = prompts x group_size requests are handed to the engine:
     member-major (the first member of every group, then the second, ...), so that each batch wave
     holds a few members of every group and the members admitted later find their siblings' answers
-    ahead of them (rollout.history drafts from those). Results come back in the step's own order;
+    ahead of them (rollout.drafters.history drafts from those). Results come back in the step's own order;
     coupled sampling keys each token by request id, so the order changes no token."""
     return [g * group_size + m for m in range(group_size) for g in range(n // group_size)]
 
 
 def generate_step(engine, prompts, params, ids, group_size: int, **kw):
-    """engine.generate over a step's grouped requests in `spread_groups` order; trajectories in
+    """engine.generate over a step's grouped requests in `spread_groups` order; the Rollout in
     the step's own order (groups consecutive, as the GRPO update expects)."""
     order = spread_groups(len(prompts), group_size)
     out = engine.generate([prompts[i] for i in order], params, request_ids=[ids[i] for i in order], **kw)
     trajs = [None] * len(prompts)
     for i, t in zip(order, out):
         trajs[i] = t
-    return trajs
+    return Rollout(trajs, out.stats)
 
 
 def score(task, tokenizer, examples, trajectories) -> list[float]:

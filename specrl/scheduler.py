@@ -15,9 +15,9 @@ the scheduler hands out time, not steps:
     tail_threshold of the slots are still decoding, one draft update runs before the next engine
     step, so the sequences still decoding wait for it (on a device with idle compute in the tail
     the update is cheap; on a saturated CPU it is a plain serial cost);
-  "between" - wherever the host calls `SpecCoTrainer.train_draft()`; `specrl.train_rl` calls it
-    after the policy update (so the draft trains on features of the update's own forward),
-    before the next rollout;
+  "between" - at the co-trainer's step boundary (`SpecCoTrainer.end_step()`), after the policy
+    update (so the draft trains on features of the update's own forward), before the next
+    rollout;
   "interleaved" - inside the policy update, between its micro-steps: the trainer calls its
     `microstep_hooks` after every optimizer micro-step but the last (GRPOTrainer does, when its
     minibatch_size splits the batch), and the co-trainer runs an update there;

@@ -19,24 +19,28 @@ from tqdm import tqdm
 from specrl.config import CoTrainConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import cached_offline_draft
-from specrl.presets import RunPreset, get_preset
-from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, restore_state,
+from specrl.presets import RunPreset, get_preset, reproducible as fixed_decisions
+from specrl.run_choice import choice_history
+from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, read_metrics, restore_state,
                             run_identity, save_state, write_summary)
 from specrl.rl_setup import (ENGINES, build_engine, build_task_and_policy, check_seed, encode_prompts, evaluate,
                           generate_step, rollout_params, score, step_examples, sync_policy)
+from specrl.step_clock import StepClock, step_parts
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir
 
 
 def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int = 0,
              resume: bool = False, steps: int | None = None, cache_dir: Path | None = None, progress: bool = True,
-             spec: str = "off", engine: str = "embedded", drafter: str | None = None,
+             spec: str = "off", engine: str = "embedded", drafter: str | None = None, reproducible: bool = False,
              callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
-    """One RL run into `out_dir` (or its continuation, with `resume`); returns the summary."""
+    """One RL run into `out_dir` (or its continuation, with `resume`); returns the summary.
+    `reproducible`: the preset's co-training with every decision fixed at the start
+    (specrl.presets.reproducible)."""
     t_start = time.perf_counter()
     run, start_step, eval_start = start_run(task_name, preset_name, out_dir, seed=seed, resume=resume, steps=steps,
                                             cache_dir=cache_dir, progress=progress, spec=spec, engine=engine,
-                                            drafter=drafter, log=log)
+                                            drafter=drafter, reproducible=reproducible, log=log)
     preset, task, tokenizer = run.preset, run.task, run.tokenizer
     policy, rollout, trainer, cotrain = run.policy, run.engine, run.trainer, run.cotrain
     for cb in callbacks:
@@ -53,12 +57,15 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
             cb.on_step_end(run, step, row)
 
     eval_end = evaluate(rollout, task, tokenizer, run.heldout, preset, seed)
+    choice = choice_history(read_metrics(run.out / METRICS_FILE)) if cotrain.run_choice is not None else None
     summary = {"task": task_name, "preset": run.preset_name, "seed": seed, "spec": spec, "engine": engine,
                "rl_steps": preset.rl_steps,
                "reward_start": eval_start["reward"], "reward_end": eval_end["reward"],
                "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
                "eval_prompts": len(run.heldout), "eval_samples_per_prompt": preset.eval_samples,
                "sft_cached": run.sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start}
+    if choice is not None:  # speculation on or off per rollout, from measured rollouts (specrl.run_choice)
+        summary["run_choice"] = choice
     write_summary(run.out, summary)
     for cb in callbacks:
         cb.on_end(run, summary)
@@ -68,50 +75,30 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
 
 
 def rl_step(run: RLRun, step: int) -> dict:
-    """One GRPO step of `run`: rollout, reward, policy update, policy sync, draft co-training;
-    appends the step's row to metrics.jsonl and returns it. The row splits the step's wall time
-    (`step_s`) into its parts, in seconds: `rollout_s` (generate's wall time less the draft
-    training the tail window ran inside it; of which `perf/rollout_full_s` at the full batch and
-    `perf/rollout_tail_s` in the long tail, where the engine reports them),
-    `perf/score_s`, `perf/update_s` (the policy update, feature capture excluded),
-    `perf/feature_capture_s`, `perf/draft_train_s` (draft updates with their weight sync),
-    `perf/policy_sync_s`; `perf/other_s` is what is left."""
+    """One GRPO step of `run`: rollout, reward, policy update, policy sync, the co-trainer's step
+    boundary (draft co-training); appends the step's row to metrics.jsonl and returns it. The
+    row splits the step's wall time (`step_s`) into its parts (specrl.step_clock.step_parts).
+    """
     preset, tokenizer, rollout, cotrain = run.preset, run.tokenizer, run.engine, run.cotrain
-    t0 = time.perf_counter()
+    clock = StepClock()
     cotrain.begin_step()
     examples = step_examples(run.task, run.pool, preset, run.seed, step)
     ids = [step * len(examples) + i for i in range(len(examples))]
     trajs = generate_step(rollout, encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, run.seed),
                           ids, preset.group_size, capture_features=cotrain.capture_engine_features)
-    gen = dict(rollout.last_stats)
     cotrain.on_rollout(trajs)
-    t1 = time.perf_counter()
+    clock.lap("rollout")
     rewards = score(run.task, tokenizer, examples, trajs)
-    t2 = time.perf_counter()
+    score_s = clock.lap("score")
     metrics = run.trainer.step(trajs, rewards, preset.group_size)
-    t3 = time.perf_counter()
+    update_s = clock.lap("update")
     sync_s = sync_policy(rollout, run.policy)
-    cotrain.on_policy_update()
-    cotrain.train_draft()
-    row = {"step": step, **metrics, "tokens_per_s": gen["tokens_per_s"], **cotrain.end_step(),
-           "step_s": time.perf_counter() - t0}
-    # draft updates in the scheduler's "tail" window ran inside generate(), those in its
-    # "interleaved" window inside the policy update: each part is counted once, as draft training
-    row["rollout_s"] = gen["wall_s"] - row.get("perf/draft_train_tail_s", 0.0)
-    parts = {"perf/score_s": t2 - t1, "perf/policy_sync_s": sync_s or 0.0,
-             "perf/feature_capture_s": row.get("perf/feature_capture_s", 0.0),
-             "perf/draft_train_s": row.get("perf/draft_train_s", 0.0)}
-    parts["perf/update_s"] = ((t3 - t2) - parts["perf/feature_capture_s"]
-                              - row.get("perf/draft_train_interleaved_s", 0.0))
-    if "full_batch_s" in gen:
-        parts["perf/rollout_full_s"], parts["perf/rollout_tail_s"] = gen["full_batch_s"], gen["tail_s"]
-    parts["rollout/response_lens"] = [len(t.token_ids) for t in trajs]
-    if "spec_steps" in gen:
-        parts["rollout/engine_steps"], parts["rollout/spec_steps"] = gen["engine_steps"], gen["spec_steps"]
-    row.update(parts)
-    row["perf/other_s"] = row["step_s"] - row["rollout_s"] - sum(
-        parts[k] for k in ("perf/score_s", "perf/policy_sync_s", "perf/feature_capture_s", "perf/draft_train_s",
-                           "perf/update_s"))
+    gen = trajs.stats
+    row = {"step": step, **metrics, "tokens_per_s": gen.tokens_per_s, **cotrain.end_step(), "step_s": clock.elapsed()}
+    row.update(step_parts(row, gen, score_s, update_s, sync_s))
+    row["rollout/response_lens"] = [len(t.token_ids) for t in trajs]
+    if gen.spec_steps is not None:
+        row["rollout/engine_steps"], row["rollout/spec_steps"] = gen.engine_steps, gen.spec_steps
     append_row(run.out / METRICS_FILE, row)
     return row
 
@@ -151,7 +138,8 @@ class RLCallback:
 
 def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int, resume: bool,
               steps: int | None, cache_dir: Path | None, progress: bool, spec: str, engine: str,
-              drafter: str | None = None, log=print, evaluate_start: bool = True) -> tuple[RLRun, int, dict | None]:
+              drafter: str | None = None, reproducible: bool = False, log=print,
+              evaluate_start: bool = True) -> tuple[RLRun, int, dict | None]:
     """Check the settings, open the run folder, build task, policy, engine, trainer and
     co-trainer, resume from the checkpoint where asked, and evaluate the starting policy
     (unless the checkpoint holds that evaluation, or `evaluate_start` is off: then None):
@@ -161,7 +149,9 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     else:
         preset = get_preset(preset_name)
     preset = preset.with_overrides(rl_steps=steps)
-    if spec != "off" and drafter not in (None, preset.cotrain.drafter):  # who drafts (rollout.history)
+    if reproducible:  # every decision fixed at the start (specrl.presets.reproducible)
+        preset = dataclasses.replace(preset, cotrain=fixed_decisions(preset.cotrain))
+    if spec != "off" and drafter not in (None, preset.cotrain.drafter):  # who drafts (rollout.drafters.history)
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, mode=spec, drafter=drafter))
     check_seed(seed)
     out = Path(out_dir)
@@ -179,7 +169,8 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
     rollout = build_engine(engine, policy, preset, out)
     trainer = GRPOTrainer(policy, preset.grpo)
-    cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log).attach(rollout, trainer)
+    cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log,
+                              progress=progress).attach(rollout, trainer)
     heldout = task.examples("heldout", preset.eval_prompts, seed)
     pool = task.examples("train", preset.prompt_pool or max(512, preset.prompts_per_step * 8), seed + 1)
     start_step, eval_start = 0, None
@@ -196,14 +187,16 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     return run, start_step, eval_start
 
 
-def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed: int, cache_dir: Path, log=print):
+def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed: int, cache_dir: Path, log=print,
+                    progress: bool | None = None):
     """The co-training plug-in for --spec off|frozen|online (off: a no-op object)."""
     if mode == "off":
         return SpecCoTrainer(None, CoTrainConfig(mode="off"))
     if preset.cotrain.drafter == "history":  # no model drafts: no EAGLE-3 head to build
         return SpecCoTrainer(None, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
     prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
-    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log)
+    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log,
+                                    progress=progress)
     return SpecCoTrainer(draft, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
 
 

@@ -159,11 +159,13 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
     mb = cfg.minibatch_size or B
     engine_logp = batch["old_logp"]
     single_update = cfg.ppo_epochs == 1 and mb >= B
+    mismatch = None  # the engine's log-probs against the trainer's, before any update moved the policy
     if cfg.old_logprobs == "trainer" and not single_update:
         with torch.no_grad():
             batch["old_logp"] = torch.cat([forward(batch["input_ids"][lo: lo + mb], batch["response_mask"][lo: lo + mb],
                                                    run_hooks=False)[0]
                                            for lo in range(0, B, mb)])
+        mismatch = ((engine_logp - batch["old_logp"]).abs() * batch["response_mask"].float()).max().item()
     sums: dict[str, float] = {}
     n_updates = 0
     total_updates = cfg.ppo_epochs * -(-B // mb)
@@ -185,8 +187,9 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
             if grad_norm is not None:
                 m["grad_norm"] = grad_norm
             m.update(entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
-                     logprob_mismatch=((engine_logp[sl] - logp.detach()).abs() * mf).max().item() if epoch == 0 else 0.0,
                      router_balance=router_balance(out.expert_counts))
+            if mismatch is None:  # no pass before the updates: the first minibatch's, whose forward precedes them
+                mismatch = ((engine_logp[sl] - logp.detach()).abs() * mf).max().item()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
             n_updates += 1
@@ -195,6 +198,7 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
                     hook(n_updates, total_updates)
     model.eval()
     metrics = {k: v / n_updates for k, v in sums.items()}
+    metrics["logprob_mismatch"] = mismatch  # the largest gap over the response tokens it covers
     metrics["reward"] = float(torch.as_tensor(rewards, dtype=torch.float32).mean())
     metrics["response_len"] = float(batch["response_mask"].sum(1).float().mean())
     return metrics

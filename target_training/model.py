@@ -265,11 +265,11 @@ class MoE(nn.Module):
     SORTED_DISPATCH_MAX_TOKENS = 512
     # Opt-in ("dense", EngineConfig.moe_dispatch): a block of at most this many tokens runs every
     # expert over every token in three batched matmuls. No host read (the group sizes are never
-    # needed), so a decode or verify step is sync-free up to its hand-back, and on this CPU the
-    # MoE is 1.8-2.5x faster at 1-20 tokens, even at 64 and slower beyond (quick model: 8
-    # experts, top-2). It computes E/k times the expert FLOPs, and it is not bitwise equal to
-    # the exact dispatches: a token's product depends on how many rows share the matmul (about
-    # 3e-7 apart here), so tokens and log-probs match "exact" only to that rounding.
+    # needed), so a decode or verify step is sync-free up to its hand-back, and small blocks,
+    # dominated by per-expert overhead, run faster. It computes E/k times the expert FLOPs, so
+    # large blocks run slower, and it is not bitwise equal to the exact dispatches: a token's
+    # product depends on how many rows share the matmul, so tokens and log-probs match "exact"
+    # only to rounding.
     DENSE_DISPATCH_MAX_TOKENS = 32
 
     @staticmethod

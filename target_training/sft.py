@@ -93,8 +93,9 @@ def cache_key(task_spec: dict, model_cfg: MoEConfig, sft_cfg: SFTConfig, vocab_f
 
 
 def warm_start(task, task_spec: dict, tokenizer, model_cfg: MoEConfig, sft_cfg: SFTConfig,
-               cache_dir: Path | None = None, log=print, progress: bool = False) -> tuple[MoETransformer, dict]:
-    """Load the cached SFT policy for these settings, or train and cache it."""
+               cache_dir: Path | None = None, log=print, progress: bool | None = False) -> tuple[MoETransformer, dict]:
+    """Load the cached SFT policy for these settings, or train and cache it; `progress`: a bar over
+    the steps with the time left on stderr (None: on a terminal only)."""
     vocab_fp = hashlib.sha256(tokenizer.decode(list(range(tokenizer.vocab_size)), skip_special=False).encode()).hexdigest()[:16]
     path = Path(cache_dir or default_cache_dir()) / f"sft-{cache_key(task_spec, model_cfg, sft_cfg, vocab_fp)}"
     if path.exists():
@@ -106,7 +107,8 @@ def warm_start(task, task_spec: dict, tokenizer, model_cfg: MoEConfig, sft_cfg: 
     data = sft_dataset(task, tokenizer, sft_cfg.n_examples, sft_cfg.seed)
     t0 = time.perf_counter()
     log(f"[sft] training warm start: {model.num_parameters() / 1e6:.2f}M parameters, {sft_cfg.steps} steps")
-    bar = tqdm(total=sft_cfg.steps, desc="sft", disable=not progress)
+    bar = tqdm(total=sft_cfg.steps, desc="sft warm start", unit="step",
+               disable=None if progress is None else not progress)
 
     def tick(step: int, loss: float) -> None:
         bar.update(1)

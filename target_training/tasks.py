@@ -552,7 +552,7 @@ def get_task(name: str, **kwargs) -> Task:
     if str(name).endswith(FILE_SUFFIXES):
         return JsonlTask(name, **kwargs)
     if name not in TASKS:
-        raise TaskError(f"unknown task {name!r}; choose from {sorted(TASKS)} or a .jsonl/.parquet file")
+        raise TaskError(f"unknown task {name!r}; choose from {sorted(TASKS)} or a .jsonl/.json/.parquet file")
     try:
         return TASKS[name](**kwargs)
     except TypeError as e:

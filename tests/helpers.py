@@ -133,7 +133,7 @@ def overlap_pair(model):
     import copy
 
     from rollout.engine import EmbeddedEngine
-    from rollout.speculative import SpecConfig
+    from rollout.drafters import SpecConfig
     from specrl.config import CoTrainConfig, DraftTrainConfig, OnlineDraftConfig, SchedulerConfig
     from specrl.cotrain import SpecCoTrainer
     from specrl.drafts import new_draft
@@ -147,7 +147,30 @@ def overlap_pair(model):
                                                       mode=mode))
         cot = SpecCoTrainer(copy.deepcopy(draft), cfg).attach(EmbeddedEngine(model))
         cot.draft.set_target_embedding(model.embed_tokens)
-        cot.speculator.draft.set_target_embedding(model.embed_tokens)
+        engine_draft(cot.engine).set_target_embedding(model.embed_tokens)
         fill_buffer(cot, model, n=12)
         out.append(cot)
     return out
+
+
+# ---- the engine's own draft: the one place tests reach inside an engine (fault injection, probes) ---------
+def engine_draft(engine):
+    """The draft module an embedded engine speculates with (its own copy, made by install_draft)."""
+    return engine._speculator.draft
+
+
+def break_draft(engine, monkeypatch, message: str = "draft forward failed", once: bool = False) -> None:
+    """Make the engine's draft raise RuntimeError(message) in its forward (a draft-side crash):
+    in every forward, or in the next one only (`once`)."""
+    draft = engine_draft(engine)
+    forward = draft.forward
+
+    def broken(*args, **kwargs):
+        if once:
+            draft.forward = forward
+        raise RuntimeError(message)
+
+    if once:
+        draft.forward = broken
+    else:
+        monkeypatch.setattr(draft, "forward", broken)

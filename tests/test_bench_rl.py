@@ -5,11 +5,13 @@ figures rest on: every arm did the same RL work, the parts add up to the step, t
 the ratios of the saved rows' medians, and the arms really differ in what they switch on."""
 import json
 import statistics
+import sys
 
 import pytest
 
 from experiments.bench.rl import PARTS, bench_rl, summarize
 from specrl.cli import main
+from specrl.run_dir import RunDirError
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,87 @@ def test_bad_arms_and_a_used_folder_are_refused(bench, capsys):
     assert main(["bench", "rl", "--preset", "ci", "--out", str(out.parent / "y"), "--arms", "frozen,online"]) == 2
     assert "including off" in capsys.readouterr().err
     assert not (out.parent / "x").exists() and not (out.parent / "y").exists()
+
+
+def test_a_folder_a_crashed_run_left_is_reused(bench, sft_policy, tmp_path, capsys):
+    """A crash leaves arm folders and no summary.json: a new run deletes those arm folders (saying
+    so), nothing else, and finishes; the finished folder is then refused in one line."""
+    import shutil
+
+    out, _ = bench
+    crashed = tmp_path / "rl"
+    shutil.copytree(out / "embedded", crashed / "embedded")  # what a crash after some steps leaves
+    (crashed / "notes.txt").write_text("mine")
+    (crashed / "embedded" / "mine").mkdir()
+    (crashed / "embedded" / "mine" / "keep.txt").write_text("mine")
+    lines = []
+    s = bench_rl("arith", "ci", crashed, steps=2, segment=1, warmup=1, cache_dir=sft_policy[3],
+                 arms=("off", "frozen"), log=lines.append)
+    assert s["engines"]["embedded"]["same_updates"] is True
+    assert [x for x in lines if "unfinished" in x] == [
+        f"[bench rl] {crashed} holds an unfinished bench rl run (no summary.json): deleting its arm folders in "
+        f"{crashed / 'embedded'} (off, frozen, online, online-fixed) and replacing them with this run's"]
+    assert sorted(p.name for p in (crashed / "embedded").iterdir()) == ["frozen", "mine", "off"]
+    assert [r["step"] for r in _rows(crashed / "embedded" / "off" / "metrics.jsonl")] == [0, 1]  # this run's rows only
+    assert (crashed / "notes.txt").read_text() == (crashed / "embedded" / "mine" / "keep.txt").read_text() == "mine"
+    assert sum("legend:" in x for x in lines) == 1
+    assert main(["bench", "rl", "--preset", "ci", "--out", str(crashed)]) == 2
+    err = capsys.readouterr().err
+    assert "already holds a bench rl run" in err and err.count("\n") == 1
+
+
+def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
+    (tmp_path / "embedded" / "off").mkdir(parents=True)
+    (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")
+    with pytest.raises(RunDirError, match="not a bench rl arm folder"):
+        bench_rl("arith", "ci", tmp_path, steps=2, log=lambda *a: None)
+    assert (tmp_path / "embedded" / "off" / "data.txt").read_text() == "mine"
+
+
+def test_the_table_has_a_legend():
+    """Under the table, once: what x means, total x beside step x, spec steps, the draft updates each
+    training arm bought and why, and the sure estimate where a run choice line names it."""
+    from experiments.bench.rl import report
+
+    def row(step, **kw):
+        return {"step": step, "step_s": 1.0, "rollout_s": 0.5, "perf/update_s": 0.4, **kw}
+
+    rows = {"off": [row(i) for i in range(3)],
+            "online": [row(i, **{"train/draft_steps": 2, "sched/draft_credit_s": 0.1, "sched/spec_saving_s": 0.25,
+                                 "rollout/spec_run_choice": 1, "rollout/spec_run_speedup": None}) for i in range(3)],
+            "online-unpriced": [row(i, **{"train/draft_steps": 3, "sched/draft_credit_s": None,
+                                          "sched/draft_steps_budget": 3}) for i in range(3)]}
+    s = summarize(rows, [(0, 3)], warmup=1)
+    assert s["arms"]["online"]["draft_updates"] == 4 and s["arms"]["online-unpriced"]["draft_updates"] == 6
+    assert "draft_updates" not in s["arms"]["off"]
+    lines = report({"preset": "p", "steps": 3, "segment": 3, "warmup_steps": 1, "engines": {"embedded": s}})
+    text = "\n".join(lines)
+    assert sum("legend:" in x for x in lines) == 1 and "above 1 the arm is faster than off" in text
+    assert "total x: off's summed step time over the arm's" in text and "the warm-up steps do not" in text
+    assert "spec steps: the share of engine steps that verified a draft" in text
+    assert ("draft updates over the timed steps: online 4 (priced: bought with the rollout time speculation saves, "
+            "0.250s saved per rollout (median)); online-unpriced 6 (not priced: the count rule, 3 per step (median))"
+            in text)
+    assert "the estimate was sure: every timed speculating rollout was estimated" in text
+    first = next(i for i, x in enumerate(lines) if "legend:" in x)
+    assert first > max(i for i, x in enumerate(lines) if x.startswith("  online-unpriced"))  # under the table
+
+
+def test_an_uncached_start_shows_its_progress_on_a_terminal(tmp_path, capsys, monkeypatch):
+    """From an empty cache the warm start and the offline draft take minutes on the larger presets,
+    and the RL steps as long again: on a terminal each shows a bar with the time left; progress=False
+    shows none."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the captured stderr, seen as a terminal
+    bench_rl("arith", "ci", tmp_path / "rl", steps=1, warmup=0, arms=("off", "frozen"), cache_dir=tmp_path / "cache",
+             log=lambda *a: None)
+    err = capsys.readouterr().err
+    for bar in ("sft warm start: 100%", "draft rollouts: 100%", "draft features: 100%", "draft training: 100%",
+                "bench rl steps: 100%"):
+        assert bar in err
+    assert "60/60 [" in err and "40/40 [" in err  # the ci preset's SFT and draft steps, with elapsed<left
+    bench_rl("arith", "ci", tmp_path / "rl2", steps=1, warmup=0, arms=("off", "frozen"), cache_dir=tmp_path / "cache",
+             progress=False, log=lambda *a: None)
+    assert capsys.readouterr().err == ""
 
 
 def test_history_arms_draft_from_the_group_and_change_no_update(sft_policy, tmp_path):

@@ -154,8 +154,9 @@ def tiny_model_like(cfg):
 
 
 def test_recovers_an_older_two_rename_save_killed_between_renames(tmp_path, tiny_model, tiny_cfg):
-    """The state the issue reproduced: no `ckpt`, the old copy under `.ckpt.old-PID` and the new
-    complete one under `.ckpt.tmp-*`; recovery picks the newer, complete one."""
+    """What an older save killed between its two renames leaves: no `ckpt`, the old copy under
+    `.ckpt.old-PID` and the new complete one under `.ckpt.tmp-*`; recovery picks the newer,
+    complete one."""
     import os
     import time
 

@@ -13,7 +13,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.integrations.areal import ChunkServer, merge_spec
 from specrl.rl_setup import encode_prompts
 
@@ -43,7 +43,7 @@ def test_greedy_chunks_with_speculation_equal_one_plain_call(setup, one_thread):
     engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
     server = ChunkServer(engine, chunk_tokens=7)
     try:
-        server.install_draft(draft, SpecConfig(mode="chain", gamma=3))
+        server.install_draft(DrafterSpec(draft=draft, spec=SpecConfig(mode="chain", gamma=3)))
         out = _run_all(server, prompts, params, [f"r{i}" for i in range(len(prompts))])
     finally:
         server.close()
@@ -105,7 +105,7 @@ def test_a_draft_push_waits_for_the_chunk_in_flight(setup):
     engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
     server = ChunkServer(engine, chunk_tokens=30)
     try:
-        server.install_draft(draft, SpecConfig(mode="chain", gamma=3))
+        server.install_draft(DrafterSpec(draft=draft, spec=SpecConfig(mode="chain", gamma=3)))
         w, _ = server.draft_weights()
         started, in_generate, seen = threading.Event(), [False], []
         generate, push = engine.generate, engine.push_draft
@@ -145,16 +145,17 @@ def test_merge_spec_adds_chunks():
 
 
 def test_the_saving_speculation_reports_reaches_the_co_trainer(setup):
-    """A priced draft budget pays from the engine's estimated saving: the server hands the sum
-    over its chunk rounds to `last_stats` at `take_finished`, and nothing when no round ran."""
+    """A priced draft budget pays from the engine's estimated saving: `take_finished` hands over
+    the finished requests with the sum over the chunk rounds since the last call (their seconds,
+    tokens and estimated saving), and no saving when no round ran."""
     tokenizer, policy, draft, prompts = setup
     engine = EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8))
     generate, calls = engine.generate, []
 
     def reporting(*a, **k):
         out = generate(*a, **k)
-        calls.append(1)
-        engine.last_stats = {**engine.last_stats, "spec_saved_s": 0.25}
+        calls.append(out.stats.tokens)
+        out.stats.spec_saved_s = 0.25
         return out
 
     engine.generate = reporting
@@ -162,11 +163,11 @@ def test_the_saving_speculation_reports_reaches_the_co_trainer(setup):
     try:
         params = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=(tokenizer.eos_id,))
         _run_all(server, prompts[:3], params, ["a", "b", "c"])
-        assert server.last_stats == {}  # nothing closed yet
-        server.take_finished()
-        assert server.last_stats["spec_saved_s"] == pytest.approx(0.25 * len(calls)) and len(calls) >= 2
-        server.take_finished()
-        assert server.last_stats == {}
+        finished = server.take_finished()
+        assert len(finished) == 3 and len(calls) >= 2
+        assert finished.stats.spec_saved_s == pytest.approx(0.25 * len(calls))
+        assert finished.stats.tokens == sum(calls) and finished.stats.wall_s > 0
+        assert server.take_finished().stats.spec_saved_s is None
     finally:
         server.close()
 

@@ -11,7 +11,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.rl_setup import encode_prompts
 
 
@@ -19,8 +19,8 @@ SPEC = {"chain": SpecConfig("chain", 2), "tree": SpecConfig("tree", gamma=2, tre
 
 
 def _run(policy, draft, compile_forwards: bool, prompts, params, mode: str = "chain"):
-    spec = Speculator(draft, SPEC[mode]) if draft is not None else None
-    engine = EmbeddedEngine(policy, EngineConfig(max_batch=2, compile_forwards=compile_forwards), speculator=spec)
+    spec = DrafterSpec(draft=draft, spec=SPEC[mode]) if draft is not None else None
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=2, compile_forwards=compile_forwards), drafter=spec)
     return engine, engine.generate(prompts, params)
 
 

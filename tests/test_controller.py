@@ -164,14 +164,14 @@ def test_fusion_budget_follows_the_arm_each_batch_size_plays():
     """The engine plans a step's prompt fusion before deciding it (SpecSession.block_width): a
     batch size the controller decodes plainly gets a 1-token block, one it speculates at a
     verify block of its chain, one it still explores the configured chain's block."""
-    from rollout.speculative import SpecConfig, SpecSession, Speculator
+    from rollout.drafters import DrafterSpec, SpecConfig
+    from rollout.speculative import SpecSession, Speculator
 
     ctrl = SpeculationController()
     rng = random.Random(4)
     for n in (1, 64):
         run(ctrl, n, 400, moe_spec_cost, 0.6, rng)
-    spec = Speculator(None, SpecConfig(gamma=6), proposer=lambda n_slots, max_len: None)
-    spec.controller = ctrl
+    spec = Speculator(DrafterSpec("custom", spec=SpecConfig(gamma=6), proposer=lambda n_slots, max_len: None), ctrl)
     session = SpecSession(spec, None)
     assert ctrl.exploited(64) == 0 and session.block_width(64) == 1
     g = ctrl.exploited(1)
@@ -180,7 +180,7 @@ def test_fusion_budget_follows_the_arm_each_batch_size_plays():
     decisions = ctrl.decisions
     session.block_width(64)
     assert ctrl.decisions == decisions  # asking counts no decision
-    spec.enabled = False
+    session.faulted = True  # a draft fault turned speculation off for the call
     assert session.block_width(1) == 1
 
 
@@ -353,7 +353,7 @@ def test_run_choice_times_both_blocks_and_keeps_the_faster():
     """RunChoice: `warmup + rollouts` calls speculating, then as many plain, the first `warmup`
     of each block left out (they pay the engine's start); the run keeps speculation iff its median
     tokens/s beats plain's by the margin, and prices a kept chain's saving at the measured plain rate."""
-    from specrl.controller import RunChoice
+    from specrl.run_choice import RunChoice
 
     def run(spec_rate, plain_rate, slow=3.0):
         choice = RunChoice(2, warmup=2, margin=1.05)
@@ -405,7 +405,7 @@ def test_a_run_choice_sure_of_its_estimate_times_no_plain_rollouts():
     timed speculating rollout is estimated at least `sure` times faster than plain, speculation
     is kept without a block of plain rollouts, at the start and at every re-check; an estimate
     below it (or none) times plain as before."""
-    from specrl.controller import RunChoice
+    from specrl.run_choice import RunChoice
 
     fast = {"spec": lambda i: 170.0, "plain": lambda i: 100.0}
     choice = RunChoice(3, warmup=2, margin=1.05, recheck=4, sure=1.25)
@@ -425,7 +425,7 @@ def test_a_run_choice_is_re_checked_and_follows_a_change():
     choice, each re-check that changes nothing doubling the wait up to 8x; a speed-up that
     appears later in the run (the draft caught up with the policy) is found and taken, and lost
     again when it goes."""
-    from specrl.controller import RunChoice
+    from specrl.run_choice import RunChoice
 
     choice = RunChoice(2, warmup=1, margin=1.05, recheck=5)
     slow = {"spec": lambda i: 96.0, "plain": lambda i: 100.0}
@@ -451,25 +451,24 @@ def test_an_engine_without_a_step_controller_gets_the_run_choice():
     controller but a run choice (vLLM), and warns where the engine takes neither."""
     import warnings
 
-    from rollout.protocol import DraftReceiver
+    from rollout.protocol import DraftReceiver, EngineCapabilities
     from specrl.config import CoTrainConfig
     from specrl.cotrain import SpecCoTrainer
-    from specrl.controller import RunChoice
+    from specrl.run_choice import RunChoice
 
     class Engine:
-        takes_controller = False
-        takes_run_choice = True
-        draft_version = 0
+        capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
+        draft_version, speculating = 0, True
         draft_faults: list = []
 
         def __init__(self):
-            self.run_choice, self.installed = None, None
+            self.installed = None
 
-        def choose_per_run(self, choice):
-            self.run_choice = choice
+        def set_speculation(self, on):
+            pass
 
-        def install_draft(self, draft, spec, controller=None):
-            self.installed = (draft, controller)
+        def install_draft(self, drafter, policy=None):
+            self.installed = (drafter, policy)
 
         def push_draft(self, weights, version):
             pass
@@ -481,9 +480,9 @@ def test_an_engine_without_a_step_controller_gets_the_run_choice():
     cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(run_rollouts=4, run_warmup=2))
     engine = Engine()
     co = SpecCoTrainer(object(), cfg).attach(engine)
-    assert isinstance(engine.run_choice, RunChoice) and engine.run_choice is co.run_choice
-    assert (engine.run_choice.rollouts, engine.run_choice.warmup) == (4, 2) and engine.installed[1] is None and co.controller is None
-    Engine.takes_run_choice = False
+    assert isinstance(co.run_choice, RunChoice)
+    assert (co.run_choice.rollouts, co.run_choice.warmup) == (4, 2) and engine.installed[1] is None and co.controller is None
+    Engine.capabilities = EngineCapabilities(drafters=("eagle3",))  # no switch
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         co = SpecCoTrainer(object(), cfg).attach(Engine())

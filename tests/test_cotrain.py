@@ -4,9 +4,10 @@ import json
 import pytest
 import torch
 
+from helpers import engine_draft
+from rollout.drafters import SpecConfig
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig
 from specrl.config import CoTrainConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.train_rl import train_rl
@@ -63,8 +64,8 @@ def test_disabled_plugin_leaves_engine_and_trainer_untouched(tiny_model):
     trainer = GRPOTrainer(tiny_model, GRPOConfig())
     cot = SpecCoTrainer(None, CoTrainConfig(mode="off")).attach(engine, trainer)
     cot.begin_step()
-    assert engine.speculator is None and engine.step_hooks == [] and trainer.logprob_hooks == []
-    assert cot.on_rollout([]) == {} and cot.train_draft() == {} and cot.end_step() == {}
+    assert engine.draft_version is None and engine.step_hooks == [] and trainer.logprob_hooks == []
+    assert cot.on_rollout([]) == {} and cot.end_step() == {}
 
 
 def test_draft_failure_falls_back_to_plain(sft_policy, offline_draft):
@@ -74,17 +75,18 @@ def test_draft_failure_falls_back_to_plain(sft_policy, offline_draft):
 
     prompts = encode_prompts(tokenizer, task.examples("heldout", 12, 4))
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,), seed=2)
-    plain = EmbeddedEngine(policy, EngineConfig(max_batch=4)).generate(prompts, params)
+    ids = range(len(prompts))  # the same samples in every call
+    plain = EmbeddedEngine(policy, EngineConfig(max_batch=4)).generate(prompts, params, request_ids=ids)
     cot = SpecCoTrainer(offline_draft, CoTrainConfig(mode="frozen", spec=SpecConfig(gamma=3)))
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=4))
     cot.attach(engine)
     with torch.no_grad():
-        cot.speculator.draft.fc.weight.fill_(float("nan"))
+        engine_draft(engine).fc.weight.fill_(float("nan"))
     with pytest.warns(RuntimeWarning, match="speculation disabled"):
-        out = engine.generate(prompts, params)
+        out = engine.generate(prompts, params, request_ids=ids)
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
-    assert cot.speculator.faults and "NaN" in cot.speculator.faults[0]
-    assert engine.last_stats["spec_faults"] == 1
+    assert engine.draft_faults and "NaN" in engine.draft_faults[0]
+    assert out.stats.spec_faults == 1
     m = cot.on_rollout(out)  # counted in the metrics, per rollout and in total
     assert m["rollout/spec_faults"] == 1 and m["rollout/spec_faults_total"] == 1
 
@@ -92,16 +94,16 @@ def test_draft_failure_falls_back_to_plain(sft_policy, offline_draft):
         raise RuntimeError("CUDA out of memory (simulated)")
 
     with torch.no_grad():
-        cot.speculator.draft.fc.weight.copy_(offline_draft.fc.weight)
-    cot.speculator.draft.forward = boom
+        engine_draft(engine).fc.weight.copy_(offline_draft.fc.weight)
+    engine_draft(engine).forward = boom
     with pytest.warns(RuntimeWarning, match="out of memory"):
-        out = engine.generate(prompts, params)
+        out = engine.generate(prompts, params, request_ids=ids)
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
     m = cot.on_rollout(out)
     assert m["rollout/spec_faults"] == 1 and m["rollout/spec_faults_total"] == 2
-    del cot.speculator.draft.forward  # a healthy draft again: the next rollout counts no fault
-    out = engine.generate(prompts, params)
-    assert engine.last_stats["spec_faults"] == 0
+    del engine_draft(engine).forward  # a healthy draft again: the next rollout counts no fault
+    out = engine.generate(prompts, params, request_ids=ids)
+    assert out.stats.spec_faults == 0
     assert cot.on_rollout(out)["rollout/spec_faults"] == 0 and sum(t.spec.verify_steps for t in out) > 0
 
 
@@ -119,9 +121,8 @@ def test_draft_trainer_failure_does_not_stop_training(sft_policy, offline_draft,
     monkeypatch.setattr(cot.draft_trainer, "train_for", lambda *a, **k: (_ for _ in ()).throw(MemoryError("OOM")))
     cot.begin_step()
     with pytest.warns(RuntimeWarning, match="OOM"):
-        m = cot.train_draft()
+        m = cot.end_step()
     assert m["train/draft_faults"] == 1
-    cot.end_step()
 
 
 # ---------------------------------------------------------------- draft faults and recovery
@@ -198,35 +199,34 @@ def _online_cotrainer(sft_policy, offline_draft, **config):
 
 def test_failed_hot_swap_is_logged_as_such(sft_policy, offline_draft, monkeypatch):
     cot = _online_cotrainer(sft_policy, offline_draft)
-    before = {k: v.clone() for k, v in cot.speculator.draft.state_dict().items()}
+    before = {k: v.clone() for k, v in engine_draft(cot.engine).state_dict().items()}
 
     def broken(weights, version):
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(cot.speculator, "load_draft_weights", broken)
+    monkeypatch.setattr(cot.engine, "push_draft", broken)
     cot.begin_step()
     with pytest.warns(RuntimeWarning, match=r"hot swap to version \d+ failed .*device lost.*keeps draft version 0"):
-        m = cot.train_draft()
-    assert m["train/draft_faults"] == 1 and m["train/draft_version"] >= 1 and cot.speculator.version == 0
-    assert all(torch.equal(before[k], v) for k, v in cot.speculator.draft.state_dict().items())
+        m = cot.end_step()
+    assert m["train/draft_faults"] == 1 and m["train/draft_version"] >= 1 and cot.engine.draft_version == 0
+    assert all(torch.equal(before[k], v) for k, v in engine_draft(cot.engine).state_dict().items())
 
 
 def test_pushed_weights_are_checked_before_use(sft_policy, offline_draft, monkeypatch):
     cot = _online_cotrainer(sft_policy, offline_draft)
-    before = {k: v.clone() for k, v in cot.speculator.draft.state_dict().items()}
+    before = {k: v.clone() for k, v in engine_draft(cot.engine).state_dict().items()}
     real = cot.draft_trainer.export_weights
     monkeypatch.setattr(cot.draft_trainer, "export_weights",
                         lambda: {k: (v.fill_(float("nan")) if k == "fc.weight" else v) for k, v in real().items()})
     cot.begin_step()
     with pytest.warns(RuntimeWarning, match="weights refused: fc.weight has non-finite values"):
-        m = cot.train_draft()
-    assert m["train/draft_faults"] == 1 and cot.speculator.version == 0
-    assert all(torch.equal(before[k], v) for k, v in cot.speculator.draft.state_dict().items())
+        m = cot.end_step()
+    assert m["train/draft_faults"] == 1 and cot.engine.draft_version == 0
+    assert all(torch.equal(before[k], v) for k, v in engine_draft(cot.engine).state_dict().items())
     monkeypatch.setattr(cot.draft_trainer, "export_weights", real)
-    cot.end_step()
     cot.begin_step()
-    cot.train_draft()  # the next good push goes through
-    assert cot.speculator.version == cot.draft_trainer.version
+    cot.end_step()  # the next good push goes through
+    assert cot.engine.draft_version == cot.draft_trainer.version
 
 
 def test_the_wait_window_trains_one_update_at_a_time_while_the_batch_is_pending(sft_policy, offline_draft):
@@ -241,11 +241,10 @@ def test_the_wait_window_trains_one_update_at_a_time_while_the_batch_is_pending(
     cot.begin_step()
     assert cot.train_while(lambda: checks.append(cot.draft_trainer.version) or len(checks) <= 2) == 2
     assert checks == [0, 1, 2]  # the batch became ready at the third check: two updates
-    assert cot.speculator.version == cot.draft_trainer.version == 2  # each update reached the engine
+    assert cot.engine.draft_version == cot.draft_trainer.version == 2  # each update reached the engine
     assert cot.train_while(lambda: True) == 1  # the step's third and last update
     assert cot.train_while(lambda: True) == 0
-    assert cot.train_draft()["train/draft_steps"] == 3  # nothing left for "between" either
-    cot.end_step()
+    assert cot.end_step()["train/draft_steps"] == 3  # nothing left for "between" either
     off = _online_cotrainer(sft_policy, offline_draft, scheduler=SchedulerConfig(windows=("between",)))
     off.begin_step()
     assert off.train_while(lambda: True) == 0 and off.draft_trainer.version == 0
@@ -284,7 +283,7 @@ def test_adaptive_budget_reads_acceptance_at_the_configured_chain(tiny_model):
     from types import SimpleNamespace
 
     from rollout.protocol import SpecStats
-    from rollout.speculative import SpecConfig
+    from rollout.drafters import SpecConfig
     from specrl.config import CoTrainConfig, DraftBudgetConfig, DraftTrainConfig, SchedulerConfig
     from specrl.controller import expected_accept_length
     from specrl.cotrain import SpecCoTrainer
@@ -319,7 +318,7 @@ def test_a_rollout_that_hardly_speculated_raises_no_collapse_alarm(tiny_model):
 
     from rollout.engine import EmbeddedEngine
     from rollout.protocol import SpecStats
-    from rollout.speculative import SpecConfig
+    from rollout.drafters import SpecConfig
     from specrl.config import CoTrainConfig, DraftBudgetConfig, DraftTrainConfig, SchedulerConfig
     from specrl.cotrain import MIN_DRAFTED_TOKENS, SpecCoTrainer
     from specrl.drafts import new_draft
@@ -348,8 +347,8 @@ def test_hot_swap_keeps_the_controllers_measurements(sft_policy, offline_draft):
         ctrl.observe_spec(4, 2, 0.02, 2.5, 6, 8)
     before = ctrl.state_dict()
     cot.begin_step()
-    cot.train_draft()
-    assert cot.speculator.version == cot.draft_trainer.version > 0  # the swap happened
+    cot.end_step()
+    assert cot.engine.draft_version == cot.draft_trainer.version > 0  # the swap happened
     assert ctrl.state_dict() == before
 
 
@@ -361,22 +360,24 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
 
     import torch
 
+    from rollout.protocol import EngineCapabilities, Rollout, RolloutStats
     from specrl.config import CoTrainConfig, DraftTrainConfig
-    from specrl.controller import RunChoice
     from specrl.cotrain import SpecCoTrainer
     from specrl.drafts import new_draft
     from specrl.presets import priced
+    from specrl.run_choice import RunChoice
 
     class Engine:  # what the co-trainer reads of a per-run engine (rollout.vllm_engine.VLLMEngine)
-        takes_controller, takes_run_choice, draft_version, draft_faults = False, True, 0, []
+        capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
+        draft_version, draft_faults, speculating = 0, [], True
 
         def __init__(self):
-            self.run_choice, self.last_stats = None, {}
+            self.switched = []
 
-        def choose_per_run(self, choice):
-            self.run_choice = choice
+        def set_speculation(self, on):
+            self.switched.append(on)
 
-        def install_draft(self, draft, spec, controller=None):
+        def install_draft(self, drafter, policy=None):
             pass
 
         def push_draft(self, weights, version):
@@ -395,7 +396,7 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
     engine, trainer = Engine(), Trainer()
     cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(engine, trainer)
-    assert isinstance(engine.run_choice, RunChoice) and len(trainer.hooks) == 1
+    assert isinstance(cot.run_choice, RunChoice) and len(trainer.hooks) == 1
     ids = torch.randint(3, 64, (2, 12))
     out = tiny_model(ids, tap_layers=draft.cfg.aux_layer_ids)
     mask = torch.zeros(2, 12, dtype=torch.bool)
@@ -403,48 +404,110 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
     trainer.hooks[0](ids, out, mask)
     assert len(cot.buffer) > 0  # undecided: captured
     captured = len(cot.buffer)
-    choice = engine.run_choice
-    for arm in ["spec"] * 6 + ["plain"] * 6:  # the default 3 rollouts after 3 left out, per block
+    choice = cot.run_choice
+    for arm in ["spec"] * 6 + ["plain"] * 5:  # the default 3 rollouts after 3 left out, per block
         choice.record(arm, 1000, 10.0 if arm == "spec" else 9.0)  # speculating is the slower
-    assert choice.speculate is False
-    engine.last_stats = {"spec_saved_s": choice.saved_s(1000, 9.0)}
     cot.begin_step()
-    cot.on_rollout([SimpleNamespace(spec=None)])
+    assert engine.switched[-1] is False  # the co-trainer switches the engine as the choice says
+    cot.on_rollout(Rollout([SimpleNamespace(spec=None)], RolloutStats(9.0, 1000)))  # the last timed plain rollout
+    assert choice.speculate is False
     trainer.hooks[0](ids, out, mask)
     assert len(cot.buffer) == captured  # plain for good and priced: nothing captured
     assert cot.budget.steps(8) == 0 and cot.metrics()["rollout/spec_run_choice"] == 0
 
 
 def test_the_embedded_engine_speculates_or_not_per_rollout_as_its_run_choice_says(sft_policy, offline_draft):
-    """An adaptive co-trainer hands the embedded engine a RunChoice above its per-step controller
-    (re-checked, with the controller's estimate as a shortcut). The engine runs a plain call
-    without its speculator, reports every call with the controller's estimate of what
-    speculation saved, and follows the choice once made; greedy tokens are plain decoding's in
-    every call."""
+    """An adaptive co-trainer keeps a RunChoice above the embedded engine's per-step controller
+    (re-checked, with the controller's estimate as a shortcut) and switches the engine's
+    speculation per step as it says. A plain rollout runs without the drafter; each rollout is
+    reported to the choice with the controller's estimate of what speculation saved; greedy
+    tokens are plain decoding's in every rollout."""
     import copy
 
     from specrl.config import ControllerConfig
-    from specrl.controller import RunChoice
     from specrl.rl_setup import encode_prompts
+    from specrl.run_choice import RunChoice
 
     tokenizer, task, policy, _ = sft_policy
     engine = EmbeddedEngine(policy, EngineConfig(max_batch=8))
     cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(gammas=(1, 2, 4), run_recheck=7))
     cot = SpecCoTrainer(copy.deepcopy(offline_draft), cfg).attach(engine)
-    choice = engine.run_choice
-    assert isinstance(choice, RunChoice) and choice is cot.run_choice and cot.controller is not None
+    choice = cot.run_choice
+    assert isinstance(choice, RunChoice) and cot.controller is not None
     assert (choice.recheck, choice.sure, choice.warmup, choice.rewarm) == (7, 1.25, 3, False)
-    engine.choose_per_run(choice := RunChoice(1, warmup=0, margin=1.05, recheck=7, sure=None))  # one call per block
+    cot.run_choice = choice = RunChoice(1, warmup=0, margin=1.05, recheck=7, sure=None)  # one rollout per block
     prompts = encode_prompts(tokenizer, task.examples("heldout", 8, 2))
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
     want = [t.token_ids for t in EmbeddedEngine(policy, EngineConfig(max_batch=8)).generate(prompts, params)]
     arms = []
     for _ in range(3):
         arms.append(choice.arm())
-        got = [t.token_ids for t in engine.generate(prompts, params)]
-        assert got == want
-        spec_steps = engine.last_stats["spec_steps"]
-        assert (spec_steps > 0) == (arms[-1] == "spec"), (arms, spec_steps)
+        cot.begin_step()
+        out = engine.generate(prompts, params)
+        cot.on_rollout(out)
+        cot.end_step()
+        assert [t.token_ids for t in out] == want
+        assert (out.stats.spec_steps > 0) == out.stats.speculated == (arms[-1] == "spec"), (arms, out.stats)
     assert arms[:2] == ["spec", "plain"] and choice.speculate is not None and choice.calls == 3
     assert choice.estimated and choice.estimated[0] is not None  # the controller's estimate reached it
     assert arms[2] == ("spec" if choice.speculate else "plain")
+
+
+def test_the_run_choice_times_the_rollout_without_the_draft_training_in_its_tail(tiny_model):
+    """Draft updates the tail window runs inside generate() belong to co-training, not to the arm
+    that happened to decode that rollout: the run choice reads the rollout's own time
+    (RolloutStats.rollout_s: the wall time less the step hooks'), and so does the saving it
+    estimates for the priced budget."""
+    from types import SimpleNamespace
+
+    from rollout.protocol import EngineCapabilities, Rollout, RolloutStats
+    from specrl.config import CoTrainConfig, DraftTrainConfig
+    from specrl.drafts import new_draft
+    from specrl.presets import priced
+
+    class Engine:  # a per-run engine (vLLM's capabilities): the co-trainer estimates the saving itself
+        capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
+        draft_version, draft_faults, speculating = 0, [], True
+
+        def set_speculation(self, on):
+            pass
+
+        def install_draft(self, drafter, policy=None):
+            pass
+
+        def push_draft(self, weights, version):
+            pass
+
+        def draft_weights(self):
+            return {}, 0
+
+    draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
+    cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(Engine())
+    choice = cot.run_choice
+    for arm in ["spec"] * 6 + ["plain"] * 6:  # 3 warm-up and 3 timed rollouts per block
+        cot.begin_step()
+        cot.on_rollout(Rollout([SimpleNamespace(spec=None)], RolloutStats(10.0, 1000, speculated=arm == "spec",
+                                                                          hook_s=4.0 if arm == "spec" else 0.0)))
+        cot.end_step()
+    assert choice.rates["spec"] == [1000 / 6.0] * 3 and choice.rates["plain"] == [100.0] * 3
+    assert choice.speculate is True  # 166.7 tokens/s against 100: speculation pays once its hooks are left out
+    cot.begin_step()
+    cot.on_rollout(Rollout([SimpleNamespace(spec=None)], RolloutStats(10.0, 1000, speculated=True, hook_s=4.0)))
+    assert cot.budget.metrics(8)["sched/spec_saving_s"] == pytest.approx(1000 / 100.0 - 6.0)
+
+
+def test_a_resumed_run_speculates_and_trains_as_the_uninterrupted_one(sft_policy, tmp_path):
+    """The `ci` preset fixes every decision at the start (specrl.presets.reproducible): a run
+    stopped after two steps and resumed decodes, speculates and trains its draft exactly as the
+    run that went on, on any machine: same accept length, draft version and loss at every step.
+    With a timed decision (the per-step controller) the rollouts' speculating steps follow the
+    machine's load, and so do the acceptance and the draft updates after a resume."""
+    cache = sft_policy[3]
+    keys = ("rollout/spec_accept_length", "rollout/spec_verify_steps", "train/draft_version", "train/draft_loss",
+            "reward", "loss")
+    run = dict(seed=5, cache_dir=cache, progress=False, spec="online", log=lambda *a: None)
+    train_rl("arith", "ci", tmp_path / "whole", steps=4, **run)
+    train_rl("arith", "ci", tmp_path / "resumed", steps=2, **run)
+    train_rl("arith", "ci", tmp_path / "resumed", steps=4, resume=True, **run)
+    whole, resumed = ([[r[k] for k in keys] for r in _rows(tmp_path / name)] for name in ("whole", "resumed"))
+    assert len(whole) == 4 and whole == resumed

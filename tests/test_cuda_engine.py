@@ -13,7 +13,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.rl_setup import encode_prompts
 
 DEVICE = "cuda"
@@ -40,8 +40,8 @@ def cuda_setup(sft_policy, offline_draft):
 
 
 def _engine(target, draft=None, mode="chain", sampling="coupled", batch=8):
-    spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
-    engine = EmbeddedEngine(target, EngineConfig(max_batch=batch, sampling_mode=sampling), speculator=spec)
+    spec = DrafterSpec(draft=draft, spec=SPEC_CONFIGS[mode]) if draft is not None else None
+    engine = EmbeddedEngine(target, EngineConfig(max_batch=batch, sampling_mode=sampling), drafter=spec)
     assert engine.device.type == "cuda"
     return engine
 
@@ -70,7 +70,7 @@ def test_greedy_speculation_gives_plain_tokens_on_cuda(cuda_setup, mode):
     plain = _engine(target, batch=16).generate(prompts, params, capture_features=True)
     engine = _engine(target, draft, mode)
     spec = engine.generate(prompts, params, capture_features=True)
-    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    assert engine.draft_faults == [] and spec.stats.spec_faults == 0
     _check_features(plain, target)
     _same_rollout(spec, plain)
     verify = sum(t.spec.verify_steps for t in spec)
@@ -85,7 +85,7 @@ def test_coupled_speculation_gives_plain_tokens_on_cuda(cuda_setup, mode):
     plain = _engine(target, batch=16).generate(prompts, params, capture_features=True)
     engine = _engine(target, draft, mode)
     spec = engine.generate(prompts, params, capture_features=True)
-    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    assert engine.draft_faults == [] and spec.stats.spec_faults == 0
     _same_rollout(spec, plain)
     assert sum(t.spec.accepted for t in spec) > 0
 
@@ -100,7 +100,7 @@ def test_rng_sampling_runs_on_cuda(cuda_setup, mode):
     n = len(prompts)
     first = engine.generate(prompts, params, request_ids=range(n), capture_features=True)
     assert engine.generator.device.type == "cuda"
-    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    assert engine.draft_faults == [] and first.stats.spec_faults == 0
     _check_features(first, target)
     for t in first:
         assert torch.isfinite(t.logprobs).all() and (t.logprobs <= 0).all()
@@ -145,25 +145,23 @@ def test_overlapped_draft_training_on_a_cuda_stream(tiny_model):
     """A burst of draft updates on its own CUDA stream, beside the policy update: it trains what
     the sequential mode trains on the same batches (to float tolerance: GPU backward sums may be
     ordered differently), and the engine's draft changes only at the step boundary."""
-    from helpers import overlap_pair
+    from helpers import engine_draft, overlap_pair
 
     seq, ovl = overlap_pair(copy.deepcopy(tiny_model).to(DEVICE))
     if DEVICE == "cuda":
         assert ovl._overlap._stream is not None
-    start = {k: v.clone() for k, v in ovl.speculator.draft.state_dict().items()}
+    start = {k: v.clone() for k, v in engine_draft(ovl.engine).state_dict().items()}
     seq.begin_step()
-    assert seq.train_draft()["train/draft_steps"] == 3
+    assert seq.end_step()["train/draft_steps"] == 3
     ovl.begin_step()
-    ovl.train_draft()  # launches the burst on its stream
+    ovl.end_step()  # the boundary launches the burst on its stream
     ovl._overlap._thread.join()
-    assert all(torch.equal(v, start[k]) for k, v in ovl.speculator.draft.state_dict().items())
-    ovl.end_step()
+    assert all(torch.equal(v, start[k]) for k, v in engine_draft(ovl.engine).state_dict().items())
     ovl.begin_step()
-    assert ovl.train_draft()["train/draft_steps"] == 3  # the boundary: collected and swapped in
+    assert ovl.end_step()["train/draft_steps"] == 3  # the boundary: collected and swapped in
     ovl._overlap._thread.join()  # the next burst trains the trainer's copy, not the engine's
-    trained, want = ovl.speculator.draft.state_dict(), seq.draft.state_dict()
+    trained, want = engine_draft(ovl.engine).state_dict(), seq.draft.state_dict()
     for k, v in want.items():
         assert trained[k].device.type == DEVICE
         torch.testing.assert_close(trained[k], v, atol=1e-5, rtol=1e-4, msg=k)
     ovl.state_dict()  # collects it
-    ovl.end_step()

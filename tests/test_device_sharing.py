@@ -9,7 +9,7 @@ import torch
 from helpers import fill_buffer
 
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 from specrl.config import CoTrainConfig, DraftTrainConfig, SchedulerConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import new_draft
@@ -35,7 +35,7 @@ def test_memory_breakdown_is_measured(tiny_model, one_thread):
     cot = _cotrainer(tiny_model, None)
     _fill(cot, tiny_model)
     cot.begin_step()
-    m = cot.train_draft()
+    m = cot.end_step()
     n_params = sum(p.numel() * p.element_size() for p in cot.draft.parameters() if p.requires_grad)
     assert m["train/draft_steps"] == 1
     assert m["mem/draft_params_bytes"] == n_params == m["mem/draft_grads_bytes"]
@@ -44,7 +44,7 @@ def test_memory_breakdown_is_measured(tiny_model, one_thread):
     per_record = cot.draft_trainer.activation_bytes_per_record
     assert per_record > 0  # measured by the update (autograd's saved tensors and the batch)
     cot.begin_step()
-    m = cot.train_draft()
+    m = cot.end_step()
     opt = sum(t.numel() * t.element_size() for st in cot.draft_trainer.optimizer.state.values()
               for t in st.values() if torch.is_tensor(t))
     assert m["mem/draft_optimizer_bytes"] == opt >= 2 * n_params  # now AdamW's real state
@@ -59,7 +59,7 @@ def test_an_update_over_budget_is_shrunk_or_skipped_and_reported(tiny_model, one
     probe = _cotrainer(tiny_model, None)
     _fill(probe, tiny_model)
     probe.begin_step()
-    m = probe.train_draft()  # measure the activations of a batch of 8
+    m = probe.end_step()  # measure the activations of a batch of 8
     fixed = (m["mem/draft_params_bytes"] + m["mem/draft_grads_bytes"] + m["mem/draft_optimizer_bytes"]
              + m["mem/buffer_bytes"])
     per_record = probe.draft_trainer.activation_bytes_per_record
@@ -72,7 +72,7 @@ def test_an_update_over_budget_is_shrunk_or_skipped_and_reported(tiny_model, one
         seen = []
         step = cot.draft_trainer.train_step
         cot.draft_trainer.train_step = lambda *a, **k: seen.append(k.get("batch_size")) or step(*a, **k)
-        return cot.train_draft(), seen
+        return cot.end_step(), seen
 
     m, seen = run(int(fixed + 3.5 * per_record))
     assert seen == [3] and m["sched/memory_shrunk"] == 1 and m["train/draft_steps"] == 1
@@ -101,7 +101,6 @@ def test_interleaved_window_trains_between_micro_steps(tiny_model, one_thread):
     cot.on_rollout(trajs)
     trainer.step(trajs, [float(i % 2) for i in range(8)], group_size=4)  # 4 micro-steps of 2
     assert calls == [(1, 4), (2, 4), (3, 4)]  # between micro-steps: not after the last
-    cot.on_policy_update()
     m = cot.end_step()
     assert m["perf/draft_train_interleaved_s"] > 0 and m["perf/draft_train_between_s"] == 0
     assert m["train/draft_steps"] == 1 and m["train/draft_version"] == 1  # max_draft_steps caps it

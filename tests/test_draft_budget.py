@@ -123,7 +123,7 @@ def test_cotrainer_reports_the_alarm_and_the_budget(tiny_model):
     """The co-trainer wires the rule: its metrics carry the alarm, and its burst is cut to the
     rule's count (zero once acceptance is steady)."""
     from rollout.engine import EmbeddedEngine
-    from rollout.speculative import SpecConfig
+    from rollout.drafters import SpecConfig
     from specrl.config import CoTrainConfig, DraftTrainConfig, SchedulerConfig
     from specrl.cotrain import SpecCoTrainer
     from specrl.drafts import new_draft
@@ -208,26 +208,31 @@ def test_pricing_caps_the_acceptance_rule():
 def test_the_engine_estimates_its_saving_from_measured_plain_steps():
     """spec_saved_s: tokens a speculative step emitted per sequence at the bucket's measured plain
     step time, minus the step's own time; None without a controller."""
-    from rollout.speculative import SpecConfig, Speculator
+    from rollout.drafters import DrafterSpec, SpecConfig
+    from rollout.protocol import StepStats
+    from rollout.speculative import Speculator
     from specrl.config import ControllerConfig
     from specrl.controller import SpeculationController
 
-    spec = Speculator(None, SpecConfig(gamma=2), proposer=lambda n, m: None)
-    assert spec.begin(4, 16).saved_s is None  # no controller: no estimate
-    spec.controller = SpeculationController(ControllerConfig(gammas=(1, 2)))
-    session = spec.begin(4, 16)
-    step = {"gamma": 2, "tokens_per_seq": 3.0, "accepted": 8, "drafted": 8}
-    session.observe(4, 0.10, step)  # no plain step measured yet at this batch: no estimate
-    session.observe(4, 0.05, None)  # a plain step: 0.05 s
-    session.observe(4, 0.10, step)  # 3 tokens for 0.10 s where plain takes 3 * 0.05 s
+    drafter = DrafterSpec("custom", spec=SpecConfig(gamma=2), proposer=lambda n, m: None)
+    assert Speculator(drafter).begin(4, 16).saved_s is None  # no controller: no estimate
+    controller = SpeculationController(ControllerConfig(gammas=(1, 2)))
+    session = Speculator(drafter, controller).begin(4, 16)
+
+    def step(seconds):
+        return StepStats(4, seconds, gamma=2, tokens_per_seq=3.0, accepted=8, drafted=8)
+
+    session.observe(step(0.10))  # no plain step measured yet at this batch: no estimate
+    session.observe(StepStats(4, 0.05))  # a plain step: 0.05 s
+    session.observe(step(0.10))  # 3 tokens for 0.10 s where plain takes 3 * 0.05 s
     assert session.saved_s == pytest.approx(3 * 0.05 - 0.10)
-    # a step that also ran new requests' prefill: its time is left out, its acceptance kept
-    alpha_n, spec_n = spec.controller.alpha.n, spec.controller.buckets[4].spec[2].n
-    session.observe(4, 5.0, None, fused=True)
-    session.observe(4, 5.0, step, fused=True)
-    assert spec.controller.plain_seconds(4) == pytest.approx(0.05)
+    # a step that also ran new requests' prefill (no time reported): its acceptance is kept
+    alpha_n, spec_n = controller.alpha.n, controller.buckets[4].spec[2].n
+    session.observe(StepStats(4, None))
+    session.observe(step(None))
+    assert controller.plain_seconds(4) == pytest.approx(0.05)
     assert session.saved_s == pytest.approx(3 * 0.05 - 0.10)
-    assert spec.controller.buckets[4].spec[2].n == spec_n and spec.controller.alpha.n == alpha_n + 1
+    assert controller.buckets[4].spec[2].n == spec_n and controller.alpha.n == alpha_n + 1
 
 
 def test_priced_state_round_trip():

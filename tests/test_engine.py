@@ -81,7 +81,7 @@ def test_continuous_batching_refills_slots(tiny_model, prompts):
         expect = b.token_ids[: b.token_ids.index(stop) + 1] if stop in b.token_ids else b.token_ids
         assert t.token_ids == expect
         assert t.finish_reason == ("stop" if stop in b.token_ids else "length")
-    assert engine.last_stats["engine_steps"] < sum(len(t.token_ids) for t in trajs)
+    assert trajs.stats.engine_steps < sum(len(t.token_ids) for t in trajs)
 
 
 def test_context_window_limits(tiny_model, tiny_cfg):
@@ -99,3 +99,24 @@ def test_context_window_limits(tiny_model, tiny_cfg):
 def test_bad_sampling_params(kw, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("sampling_mode", ["coupled", "rng"])
+def test_calls_without_request_ids_draw_fresh_samples_and_a_fresh_engine_replays_them(tiny_model, prompts,
+                                                                                      sampling_mode):
+    """Sampling is keyed by (seed, request id, token index): a call that passes no ids gets fresh
+    ones from the engine's counter, so calling again on the same prompts draws fresh samples (an
+    RL loop that passes no ids gets new answers every epoch), while a fresh engine replays the
+    same sequence of calls, and pinned ids give the same samples again."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=3)
+
+    def tokens(out):
+        return [t.token_ids for t in out]
+
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=4, sampling_mode=sampling_mode))
+    first, second = tokens(engine.generate(prompts, params)), tokens(engine.generate(prompts, params))
+    assert first != second
+    again = EmbeddedEngine(tiny_model, EngineConfig(max_batch=4, sampling_mode=sampling_mode))
+    assert tokens(again.generate(prompts, params)) == first and tokens(again.generate(prompts, params)) == second
+    pinned = [tokens(engine.generate(prompts, params, request_ids=range(len(prompts)))) for _ in range(2)]
+    assert pinned[0] == pinned[1] == first  # ids 0..n-1: the first call's

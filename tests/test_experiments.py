@@ -161,7 +161,7 @@ def test_speed_sweep(sft_policy, tmp_path):
 
 def test_full_and_quick_presets_track_the_reference_at_every_point():
     assert get_drift_preset("full").reference_every == 1
-    assert get_drift_preset("quick").reference_every == 1  # online / reference per point (issue 14)
+    assert get_drift_preset("quick").reference_every == 1  # a fresh reference per point: online / reference per point
 
 
 def test_drift_preset_rejects_an_unknown_deep_target(tmp_path, capsys):

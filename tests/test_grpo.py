@@ -91,3 +91,17 @@ def test_kl_to_reference_needs_reference(tiny_model):
 
     with pytest.raises(ValueError, match="reference"):
         GRPOTrainer(tiny_model, GRPOConfig(kl_coef=0.1))
+
+
+def test_the_logprob_mismatch_is_read_before_the_policy_moves(tiny_model, prompts):
+    """`logprob_mismatch` gauges the engine against the trainer: with several minibatches per step,
+    the later minibatches' forwards come after updates, and a gap taken there would measure the
+    policy's own movement (a large learning rate makes it plain). It is read from the trainer's
+    pass before the updates instead, so engine and trainer agree to fp32 rounding."""
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(tiny_model, GRPOConfig(lr=5e-2, minibatch_size=4))
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=16))
+    trajs = engine.generate([prompts[0]] * 16, SamplingParams(temperature=1.0, max_new_tokens=6, seed=1),
+                            request_ids=range(16))
+    m = trainer.step(trajs, [float(i % 2) for i in range(16)], group_size=16)
+    assert m["logprob_mismatch"] < 1e-4

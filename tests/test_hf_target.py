@@ -9,7 +9,7 @@ from draft_models.config import Eagle3Config
 from draft_models.train import capture_features, train_offline
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from target_training.config import MoEConfig
 from target_training.hf_adapter import (FAMILIES, HFAdapterError, build_target, load_hf_target, moe_config_from_hf,
                                         to_hf_model, to_hf_state_dict, to_specrl_state_dict)
@@ -155,8 +155,8 @@ def test_greedy_speculative_equals_hf_generate(qwen3_moe_setup, mode, draft_kind
     plain = EmbeddedEngine(target, EngineConfig(max_batch=8)).generate(prompts, params)
     assert [t.token_ids for t in plain] == ref
     for batch in (1, 8):
-        spec = Speculator(drafts[draft_kind], spec_cfg)
-        engine = EmbeddedEngine(target, EngineConfig(max_batch=batch), speculator=spec)
+        spec = DrafterSpec(draft=drafts[draft_kind], spec=spec_cfg)
+        engine = EmbeddedEngine(target, EngineConfig(max_batch=batch), drafter=spec)
         trajs = engine.generate(prompts, params)
         assert [t.token_ids for t in trajs] == ref
         for a, b in zip(trajs, plain):

@@ -1,4 +1,4 @@
-"""The history drafter (rollout.history): drafts from the GRPO group's in-flight siblings and from
+"""The history drafter (rollout.drafters.history): drafts from the GRPO group's in-flight siblings and from
 earlier answers to the same prompt, alone and hybrid with the EAGLE-3 chain. Lossless: greedy
 and coupled sampling give plain decoding's tokens and log-probs exactly; rejection sampling
 keeps the target's law at every depth of a verify step (chi-square, with a power companion)."""
@@ -7,35 +7,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-import rollout.verify as verify
+import rollout.spec_sampling as spec_sampling
+from rollout.drafters import DrafterSpec, SpecConfig
+from rollout.drafters.history import HistoryConfig, HistoryStore
+from rollout.drafters.hybrid import HybridProposer
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.history import HistoryConfig, HistoryProposer, HistoryStore, HybridProposer, install_history
 from rollout.protocol import SamplingParams, Trajectory, summarize_spec_stats
-from rollout.speculative import SpecConfig, Speculator
 from test_speculative_law import ALPHA, CHAIN, N, law_check, pair, residual_check, _generate  # noqa: F401 (pair: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _history_speculator(store: HistoryStore, gamma: int = 3) -> Speculator:
-    return Speculator(None, SpecConfig("chain", gamma), proposer=lambda n_slots, max_len: HistoryProposer(store))
+def _history_drafter(store: HistoryStore, gamma: int = 3) -> DrafterSpec:
+    return DrafterSpec("history", spec=SpecConfig("chain", gamma), history=store)
 
 
-def _hybrid_speculator(draft, store: HistoryStore, gamma: int = 3) -> Speculator:
-    """The hybrid as the co-training plug-in installs it (rollout.history.install_history)."""
-    from types import SimpleNamespace
-
-    spec = Speculator(draft, SpecConfig("chain", gamma))
-    install_history(SimpleNamespace(speculator=spec), store, "hybrid")
-    return spec
+def _hybrid_drafter(draft, store: HistoryStore, gamma: int = 3) -> DrafterSpec:
+    """The hybrid as the co-training plug-in installs it."""
+    return DrafterSpec("hybrid", draft=draft, spec=SpecConfig("chain", gamma), history=store)
 
 
 def _groups(prompts, n=4):
     return [p for p in prompts[:4] for _ in range(n)]  # 4 prompts, each n times: GRPO groups
 
 
-def _generate_with(model, prompts, params, speculator=None, sampling_mode="coupled", batch=6, ids=None):
-    engine = EmbeddedEngine(model, EngineConfig(max_batch=batch, sampling_mode=sampling_mode), speculator=speculator)
+def _generate_with(model, prompts, params, drafter=None, sampling_mode="coupled", batch=6, ids=None):
+    engine = EmbeddedEngine(model, EngineConfig(max_batch=batch, sampling_mode=sampling_mode), drafter=drafter)
     return engine.generate(prompts, params, request_ids=ids), engine
 
 
@@ -65,7 +62,7 @@ def test_history_drafts_decode_what_plain_decoding_does(tiny_model, prompts, tem
     group = _groups(prompts)
     plain, _ = _generate_with(tiny_model, group, params)
     store = HistoryStore()
-    out, engine = _generate_with(tiny_model, group, params, _history_speculator(store))
+    out, engine = _generate_with(tiny_model, group, params, _history_drafter(store))
     assert engine.draft_faults == []
     _assert_plain(out, plain)
     s = store.stats["history"]
@@ -80,11 +77,11 @@ def test_finished_answers_of_earlier_steps_draft_the_next_epoch(tiny_model, prom
     greedy, so nearly every draft is accepted."""
     params = SamplingParams(temperature=0.0, max_new_tokens=16, seed=5)
     store = HistoryStore(HistoryConfig(siblings=False))
-    first, _ = _generate_with(tiny_model, prompts, params, _history_speculator(store))
+    first, _ = _generate_with(tiny_model, prompts, params, _history_drafter(store))
     s = store.stats["history"]
     assert s["accepted"] < 0.1 * s["drafted"], s
     store.add_rollout(first)
-    second, _ = _generate_with(tiny_model, prompts, params, _history_speculator(store))
+    second, _ = _generate_with(tiny_model, prompts, params, _history_drafter(store))
     assert [t.token_ids for t in second] == [t.token_ids for t in first]
     s = store.stats["history"]
     assert s["accepted"] > 0.9 * s["drafted"], s
@@ -125,10 +122,10 @@ def test_hybrid_of_two_branches_decodes_what_plain_decoding_does(offline_draft, 
     policy, group, params = _sft_groups(sft_policy, 4, 3, 48, temperature=temperature)
     plain, _ = _generate_with(policy, group, params, batch=8)
     store = HistoryStore(HistoryConfig(hybrid="tree"))
-    out, engine = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), batch=8)
+    out, engine = _generate_with(policy, group, params, _hybrid_drafter(offline_draft, store), batch=8)
     assert engine.draft_faults == []
     _assert_plain(out, plain)
-    alone, _ = _generate_with(policy, group, params, Speculator(offline_draft, SpecConfig("chain", 3)), batch=8)
+    alone, _ = _generate_with(policy, group, params, DrafterSpec(draft=offline_draft, spec=SpecConfig("chain", 3)), batch=8)
     tree, eagle = (summarize_spec_stats(t.spec for t in x)["accept_length"] for x in (out, alone))
     assert set(store.stats) == {"tree"} and tree >= 0.95 * eagle, (tree, eagle)
     if temperature == 0.0:  # greedy siblings agree: the history branch adds accepted tokens
@@ -158,7 +155,7 @@ def test_hybrid_by_rows_decodes_what_plain_decoding_does(offline_draft, sft_poli
 
     HybridProposer.propose = spy
     try:
-        out, engine = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), batch=8)
+        out, engine = _generate_with(policy, group, params, _hybrid_drafter(offline_draft, store), batch=8)
     finally:
         HybridProposer.propose = orig
     assert engine.draft_faults == []
@@ -171,7 +168,7 @@ def test_hybrid_by_rows_decodes_what_plain_decoding_does(offline_draft, sft_poli
     m = store.metrics()
     assert 0 < m["rollout/history_rows_share"] < 1
     # the head's rows are accepted as often as with the head alone: skipped rows' features reached it
-    alone, _ = _generate_with(policy, group, params, Speculator(offline_draft, SpecConfig("chain", 3)), batch=8)
+    alone, _ = _generate_with(policy, group, params, DrafterSpec(draft=offline_draft, spec=SpecConfig("chain", 3)), batch=8)
     alpha_alone = sum(t.spec.accepted for t in alone) / sum(t.spec.drafted for t in alone)
     assert m["rollout/eagle3_alpha"] > 0.8 * alpha_alone, (m, alpha_alone)
 
@@ -183,7 +180,7 @@ def test_hybrid_in_rng_mode_keeps_the_law_of_plain_sampling(offline_draft, sft_p
     policy, group, params = _sft_groups(sft_policy, 3, 4, 40, temperature=1.0, top_k=1)
     plain, _ = _generate_with(policy, group, params, sampling_mode="rng", batch=8)
     store = HistoryStore()
-    out, _ = _generate_with(policy, group, params, _hybrid_speculator(offline_draft, store), sampling_mode="rng",
+    out, _ = _generate_with(policy, group, params, _hybrid_drafter(offline_draft, store), sampling_mode="rng",
                             batch=8)
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
     assert store.stats["history"]["accepted"] > 0 and store.stats["eagle3"]["accepted"] > 0
@@ -191,15 +188,15 @@ def test_hybrid_in_rng_mode_keeps_the_law_of_plain_sampling(offline_draft, sft_p
 
 def _point_mass_accepted_always(monkeypatch):
     """A broken rule: a point-mass draft accepted without testing p(x) (as if q were p)."""
-    orig = verify.SpecSampling.verify_chain
+    orig = spec_sampling.SpecSampling.verify_chain
 
     def broken(self, draft_tokens, draft_logp, target_logits):
         if self.mode == "rejection" and draft_logp is None:
             target_logp = self.process(target_logits)
-            return verify.acc.verify_chain_rejection(draft_tokens, target_logp[:, :-1], target_logp, self.generator)
+            return spec_sampling.acc.verify_chain_rejection(draft_tokens, target_logp[:, :-1], target_logp, self.generator)
         return orig(self, draft_tokens, draft_logp, target_logits)
 
-    monkeypatch.setattr(verify.SpecSampling, "verify_chain", broken)
+    monkeypatch.setattr(spec_sampling.SpecSampling, "verify_chain", broken)
 
 
 @pytest.mark.parametrize("broken", [False, True])
@@ -211,7 +208,7 @@ def test_history_drafts_keep_the_target_law_in_rng_mode(pair, monkeypatch, broke
     if broken:
         _point_mass_accepted_always(monkeypatch)
     store = HistoryStore()
-    decisions, steps = _generate(pair, CHAIN, monkeypatch, speculator=_history_speculator(store))
+    decisions, steps = _generate(pair, CHAIN, monkeypatch, drafter=_history_drafter(store))
     stat, df, pval, tested = law_check(pair[0], decisions, min_depth=0)
     if broken:
         assert pval < ALPHA, f"the broken rule passed: chi2={stat:.1f} df={df} p={pval:.2e}"
@@ -231,7 +228,7 @@ def test_the_two_branch_tree_shares_the_chains_common_prefix():
     nodes with one token would let the first branch take the path whatever the second holds."""
     from types import SimpleNamespace
 
-    from rollout.history import HistoryDraft
+    from rollout.drafters.history import HistoryDraft
     from rollout.proposer import ChainProposal
 
     eagle_tokens = torch.tensor([[5, 6, 9], [1, 2, 3], [7, 7, 7]])
@@ -253,7 +250,7 @@ def test_hybrid_rows_keep_the_target_law_in_rng_mode(pair, monkeypatch):
     test_speculative_law's)."""
     target, draft = pair
     store = HistoryStore(HistoryConfig(hybrid="rows"))
-    decisions, steps = _generate(pair, CHAIN, monkeypatch, speculator=_hybrid_speculator(draft, store))
+    decisions, steps = _generate(pair, CHAIN, monkeypatch, drafter=_hybrid_drafter(draft, store))
     stat, df, pval, tested = law_check(target, decisions, min_depth=0)
     assert pval > ALPHA, f"chi2={stat:.1f} df={df} p={pval:.2e}"
     stat1, df1, pval1, tested1 = law_check(target, decisions, min_depth=1)

@@ -288,3 +288,30 @@ def test_step_time_is_saved_so_a_resume_budgets_like_the_run(setup):
     budget = tr.step_seconds / 2
     assert tr.train_for(buf, 4, budget, None)["steps"] == 0
     assert other.train_for(buf, 4, budget, None)["steps"] == 0
+
+
+def test_activation_bytes_count_each_storage_once_wherever_it_lies():
+    """A new storage at an address an earlier one held (here two storages over one buffer, as when
+    the allocator hands a freed storage's memory on) is counted; views of one storage are not."""
+    from specrl.online_trainer import _SavedBytes
+
+    memory = bytearray(4000)
+    w = torch.ones(1000, requires_grad=True)
+    hook = _SavedBytes([w])
+    with hook:
+        for _ in range(2):
+            a = torch.frombuffer(memory, dtype=torch.float32)  # a new storage at the same address
+            ((w * a).sum() + (w[:500] * a[500:]).sum()).backward()  # saves w (a parameter) and a, then views of them
+    assert hook.nbytes == 2 * 4000
+
+
+def test_activation_bytes_are_the_same_in_identical_steps(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(10**7), policy, seqs, draft, soft=True)
+    state = _snapshot(draft)
+    figures = []
+    for _ in range(2):
+        draft.load_state_dict(state)
+        tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8))
+        figures.append([tr.train_step(buf, torch.Generator().manual_seed(i))["activation_bytes"] for i in range(3)])
+    assert figures[0] == figures[1] and min(figures[0]) > 0

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import fill_buffer, overlap_pair
+from helpers import engine_draft, fill_buffer, overlap_pair
 
 from rollout.engine import EmbeddedEngine
 from specrl.config import SchedulerConfig
@@ -28,36 +28,34 @@ def _same(a, b):
 def test_overlapped_burst_equals_sequential_and_swaps_at_the_boundary(tiny_model, one_thread):
     model = copy.deepcopy(tiny_model)
     seq, ovl = overlap_pair(model)
-    start = _weights(ovl.speculator.draft)
+    start = _weights(engine_draft(ovl.engine))
     emb = model.embed_tokens.weight.detach().clone()
 
     seq.begin_step()
-    m_seq = seq.train_draft()  # trains 3 updates now and swaps them in
+    m_seq = seq.end_step()  # trains 3 updates now and swaps them in
     seq_trained = _weights(seq.draft)
 
     ovl.begin_step()
-    m = ovl.train_draft()  # starts the burst and returns at once
+    m = ovl.end_step()  # the boundary: starts the burst and returns at once
     assert ovl._overlap.busy and m["train/draft_steps"] == 0
     with torch.no_grad():
         model.embed_tokens.weight.add_(1.0)  # the policy update rewrites the embedding meanwhile
     ovl._overlap._thread.join()
-    assert _same(_weights(ovl.speculator.draft), start)  # the engine's copy is untouched by the burst
-    ovl.end_step()
+    assert _same(_weights(engine_draft(ovl.engine)), start)  # the engine's copy is untouched by the burst
 
     ovl.begin_step()
-    m = ovl.train_draft()  # the boundary: collect, swap, start the next burst
+    m = ovl.end_step()  # the boundary: collect, swap, start the next burst
     assert m["train/draft_steps"] == 3 and m_seq["train/draft_steps"] == 3
     assert m["perf/draft_overlap_s"] > 0 and m["perf/draft_wait_s"] >= 0
     ovl._overlap._thread.join()
     # the burst trained on the embedding as it was at its start: exactly the sequential result
     with torch.no_grad():
         model.embed_tokens.weight.copy_(emb)
-    assert _same(_weights(ovl.speculator.draft), seq_trained)
-    assert ovl.speculator.version == 3
+    assert _same(_weights(engine_draft(ovl.engine)), seq_trained)
+    assert ovl.engine.draft_version == 3
     assert ovl.draft.embed_tokens is not model.embed_tokens  # the next burst reads its snapshot
     ovl.state_dict()  # collects it
     assert ovl.draft.embed_tokens is model.embed_tokens  # back on the live embedding
-    ovl.end_step()
 
 
 def test_a_failing_burst_is_counted_and_the_run_goes_on(tiny_model, one_thread):
@@ -69,12 +67,11 @@ def test_a_failing_burst_is_counted_and_the_run_goes_on(tiny_model, one_thread):
     real = ovl.draft_trainer.train_for
     ovl.draft_trainer.train_for = boom
     ovl.begin_step()
-    ovl.train_draft()
     ovl.end_step()
     ovl.draft_trainer.train_for = real
     ovl.begin_step()
     with pytest.warns(RuntimeWarning, match="OOM in the burst"):
-        m = ovl.train_draft()
+        m = ovl.end_step()
     assert m["train/draft_faults"] == 1 and m["train/draft_steps"] == 0
     assert ovl.draft.embed_tokens is not None and ovl._overlap.busy  # the next burst started
     sd = ovl.state_dict()  # waits for the burst: a consistent trainer state
@@ -139,24 +136,22 @@ def test_a_burst_until_the_rollout_is_collected_there_and_gives_the_loop_its_thr
         ovl.config, scheduler=dataclasses.replace(ovl.config.scheduler, overlap_until="rollout",
                                                   rollout_threads=1))).attach(EmbeddedEngine(model))
     ovl.draft.set_target_embedding(model.embed_tokens)
-    ovl.speculator.draft.set_target_embedding(model.embed_tokens)
+    engine_draft(ovl.engine).set_target_embedding(model.embed_tokens)
     _fill(ovl, model)
     threads = torch.get_num_threads()
     seq.begin_step()
-    seq.train_draft()
+    seq.end_step()
     ovl.begin_step()
-    ovl.train_draft()  # starts the burst
+    ovl.end_step()  # the boundary starts the burst
     assert ovl._overlap.busy and torch.get_num_threads() == 1
-    ovl.end_step()
     ovl._overlap._thread.join()  # the burst ends under the (here empty) rollout, as a long rollout would
     ovl.begin_step()
     ovl.on_rollout([])  # the rollout ended: collect the burst
     assert not ovl._overlap.busy and torch.get_num_threads() == threads
     assert ovl.scheduler.spent_s > 0  # the wait for it is charged to the step
-    ovl.on_policy_update()
-    m = ovl.train_draft()
+    m = ovl.end_step()
     assert m["train/draft_steps"] == 3 and m["perf/draft_overlap_s"] > 0
-    assert _same(_weights(ovl.speculator.draft), _weights(seq.draft))
+    assert _same(_weights(engine_draft(ovl.engine)), _weights(seq.draft))
     ovl.wait_for_draft()
     assert torch.get_num_threads() == threads
 

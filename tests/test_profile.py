@@ -10,7 +10,7 @@ from experiments.bench.speed import engine_step_costs, step_profile
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.profile import PLAIN_PHASES, SPEC_PHASES, StepProfiler, low_quartile, phase_breakdown
 from rollout.protocol import SamplingParams, SpecStats
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.rl_setup import encode_prompts
 
 
@@ -37,14 +37,14 @@ def test_profiled_engine_steps(sft_policy, offline_draft, one_thread, mode):
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
     cfg = SpecConfig(mode=mode, gamma=3, tree_topk=3, tree_budget=8)
     plain_engine = EmbeddedEngine(policy, EngineConfig(max_batch=3))
-    spec_engine = EmbeddedEngine(policy, EngineConfig(max_batch=3), speculator=Speculator(offline_draft, cfg))
+    spec_engine = EmbeddedEngine(policy, EngineConfig(max_batch=3), drafter=DrafterSpec(draft=offline_draft, spec=cfg))
     unprofiled = spec_engine.generate(prompts, params)
     plain_trajs, plain_prof = profiled_run(plain_engine, prompts, params)
     spec_trajs, spec_prof = profiled_run(spec_engine, prompts, params)
     assert plain_engine.profiler is None and spec_engine.profiler is None
     assert [t.token_ids for t in spec_trajs] == [t.token_ids for t in unprofiled] == [t.token_ids for t in plain_trajs]
-    assert plain_engine.last_stats["engine_steps"] == len(plain_prof.records)
-    assert spec_engine.last_stats["engine_steps"] == len(spec_prof.records)
+    assert plain_trajs.stats.engine_steps == len(plain_prof.records)
+    assert spec_trajs.stats.engine_steps == len(spec_prof.records)
     spec_steps = spec_prof.select("spec", None, None)
     assert spec_steps and all(r.gamma == 3 for r in spec_steps)
     for r in spec_steps:
@@ -71,7 +71,7 @@ def test_interleaved_timing_rotates_the_turn_order():
         def __init__(self, name):
             self.name = name
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, request_ids=None):
             calls.append((self.name, len(prompts)))
             return []
 
@@ -92,7 +92,7 @@ def test_bound_parts_come_from_the_timed_calls_on_cpu(sft_policy, offline_draft,
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
     cfg = SpecConfig(mode="chain", gamma=3)
     _, plain_prof = profiled_run(EmbeddedEngine(policy, EngineConfig(max_batch=3)), prompts, params)
-    _, spec_prof = profiled_run(EmbeddedEngine(policy, EngineConfig(max_batch=3), speculator=Speculator(offline_draft, cfg)),
+    _, spec_prof = profiled_run(EmbeddedEngine(policy, EngineConfig(max_batch=3), drafter=DrafterSpec(draft=offline_draft, spec=cfg)),
                                 prompts, params)
     one_run = engine_step_costs(plain_prof, spec_prof, 3, 3)["cost_samples"]
     plain_row, chain_row = measure_batch(EmbeddedArms(policy, offline_draft, [cfg]), prompts, params, 3, repeats=2)

@@ -10,7 +10,7 @@ import torch
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.proposer import ChainProposal, Proposer, SpecStep
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 
 
 class ListProposer:
@@ -49,8 +49,8 @@ def _run(model, prompts, params, known=None, batch=3, sampling_mode="coupled"):
         proposers.append(ListProposer(known))
         return proposers[-1]
 
-    spec = None if known is None else Speculator(None, SpecConfig("chain", 3), proposer=make)
-    engine = EmbeddedEngine(model, EngineConfig(max_batch=batch, sampling_mode=sampling_mode), speculator=spec)
+    spec = None if known is None else DrafterSpec("custom", spec=SpecConfig("chain", 3), proposer=make)
+    engine = EmbeddedEngine(model, EngineConfig(max_batch=batch, sampling_mode=sampling_mode), drafter=spec)
     return engine.generate(prompts, params), proposers
 
 

@@ -15,7 +15,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from target_training import real_models
 from target_training.real_models import RealModelError, gguf_path, load_real_target
 from target_training.sft import default_cache_dir
@@ -71,7 +71,7 @@ def test_greedy_speculative_equals_plain_on_the_real_model(real, drafts, mode, d
     plain, ds = drafts
     spec_cfg = {"chain": SpecConfig(mode="chain", gamma=4),
                 "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=8)}[mode]
-    engine = EmbeddedEngine(model, EngineConfig(max_batch=4, max_len=MAX_LEN), speculator=Speculator(ds[draft_kind], spec_cfg))
+    engine = EmbeddedEngine(model, EngineConfig(max_batch=4, max_len=MAX_LEN), drafter=DrafterSpec(draft=ds[draft_kind], spec=spec_cfg))
     trajs = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=N_NEW))
     assert [t.token_ids for t in trajs] == [t.token_ids for t in plain]
     for a, b in zip(trajs, plain):

@@ -29,7 +29,7 @@ from rollout.protocol import SamplingParams
 from rollout.sglang_engine import (InProcessTransport, SGLangArgsError, SGLangEngine, SGLangEngineConfig,
                                    SpecMetaError, WeightIsolationError, check_policy_sync, check_reply, in_session,
                                    parse_spec_meta, reaches_draft, sglang_server_args, to_cli_args)
-from rollout.speculative import SpecConfig
+from rollout.drafters import DrafterSpec, SpecConfig
 from target_training.config import model_config_for
 
 DATA = Path(__file__).parent / "data" / "sglang"
@@ -209,7 +209,7 @@ def test_the_client_matches_the_engine_protocols_without_a_server():
 
     eng = build_engine("sglang", None, None, None, sglang_url="http://127.0.0.1:9")
     assert isinstance(eng, SGLangEngine) and isinstance(eng, RolloutEngine) and isinstance(eng, DraftReceiver)
-    assert eng.draft_version is None and eng.last_stats == {}
+    assert eng.draft_version is None and eng.capabilities.switch is None
     ours, theirs = inspect.signature(SGLangEngine.push_draft), inspect.signature(DraftReceiver.push_draft)
     assert list(ours.parameters) == list(theirs.parameters) and ours.return_annotation == theirs.return_annotation
 
@@ -237,7 +237,7 @@ def test_server_args_chain_tree_and_cli():
     (dict(spec=SpecConfig(mode="tree", tree_topk=1)), "tree_topk >= 2"),
     (dict(spec=SpecConfig(), extra={"speculative_num_steps": 9}), "contradicts the derived 4"),
     (dict(spec=SpecConfig(), extra={"bad-name": 1}), "must be identifiers"),
-    (dict(spec={"mode": "chain"}), "must be a rollout.speculative.SpecConfig"),
+    (dict(spec={"mode": "chain"}), "must be a rollout.drafters.SpecConfig"),
 ])
 def test_server_args_bad_values(kw, match):
     args = {"model_path": "/m", "draft_path": "/d", **kw}
@@ -518,7 +518,7 @@ def test_draft_receiver_interface(fake, pair):
     server = fake()
     eng = engine_for(server)
     spec = SpecConfig(mode="chain", gamma=3)
-    eng.install_draft(draft, spec)
+    eng.install_draft(DrafterSpec(draft=draft, spec=spec))
     weights, version = eng.draft_weights()
     assert version == 0 and eng.spec is spec and eng.draft_faults == []
     assert torch.equal(weights["fc.weight"], draft.fc.weight) and torch.equal(server.draft["model.fc.weight"],
@@ -527,5 +527,7 @@ def test_draft_receiver_interface(fake, pair):
     eng.push_draft(fresh, 5)
     weights, version = eng.draft_weights()
     assert version == 5 and torch.equal(weights["lm_head.weight"], fresh["lm_head.weight"])
-    with pytest.raises(ValueError, match="controller cannot be installed"):
-        eng.install_draft(draft, spec, controller=object())
+    with pytest.raises(ValueError, match="policy cannot be installed"):
+        eng.install_draft(DrafterSpec(draft=draft, spec=spec), policy=object())
+    with pytest.raises(ValueError, match="EAGLE-3 drafts; got drafter 'custom'"):
+        eng.install_draft(DrafterSpec("custom", spec=spec, proposer=lambda n, m: None))

@@ -10,9 +10,10 @@ import rollout.acceptance as acceptance
 from draft_models.checkpoint import DraftCheckpointError
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
+from rollout.speculative import Speculator
 from specrl.rl_setup import encode_prompts
-from helpers import chi2_pvalue
+from helpers import break_draft, chi2_pvalue
 
 SPEC_CONFIGS = {"chain": SpecConfig(mode="chain", gamma=4), "tree": SpecConfig(mode="tree", gamma=3, tree_topk=3, tree_budget=10)}
 
@@ -27,9 +28,9 @@ def _prompts(tokenizer, task, n):
 
 
 def _engine(policy, batch, draft=None, mode="chain", sampling="coupled", moe_dispatch="exact"):
-    spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
+    spec = DrafterSpec(draft=draft, spec=SPEC_CONFIGS[mode]) if draft is not None else None
     return EmbeddedEngine(policy, EngineConfig(max_batch=batch, sampling_mode=sampling, moe_dispatch=moe_dispatch),
-                          speculator=spec)
+                          drafter=spec)
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
@@ -42,7 +43,7 @@ def test_greedy_identical_on_500_prompts(sft_policy, offline_draft, mode, batch)
     engine = _engine(policy, batch, offline_draft, mode)
     spec = engine.generate(prompts, params)
     # speculation ran the whole rollout: a fault would fall back to plain decoding and still match
-    assert engine.draft_faults == [] and engine.last_stats["spec_faults"] == 0
+    assert engine.draft_faults == [] and spec.stats.spec_faults == 0
     assert [t.token_ids for t in spec] == [t.token_ids for t in plain]
     assert [t.finish_reason for t in spec] == [t.finish_reason for t in plain]
     diff = max((a.logprobs - b.logprobs).abs().max().item() for a, b in zip(spec, plain))
@@ -72,7 +73,7 @@ def test_steady_state_draft_block_drafts_what_the_padded_block_drafts(sft_policy
     """Between admissions a step feeds the draft the previous step's padded features and tokens
     as they are (`_Commit.block`, no copy) instead of re-padding each slot's run with zeros. Every
     drafted and accepted count is the same either way, and the shortcut is really taken."""
-    from rollout.speculative import _Commit
+    from rollout.drafters.eagle3 import _Commit
 
     tokenizer, task, policy, _ = sft_policy
     prompts = _prompts(tokenizer, task, 40)
@@ -174,16 +175,15 @@ def test_mismatched_draft_is_rejected(sft_policy, offline_draft):
     _, _, policy, _ = sft_policy
     other = model_config_for("quick", policy.cfg.vocab_size).build()
     with pytest.raises(DraftCheckpointError, match="hidden_size"):
-        EmbeddedEngine(other, speculator=Speculator(offline_draft))
+        EmbeddedEngine(other, drafter=DrafterSpec(draft=offline_draft))
 
 
 def test_speculation_flag_off_is_plain(sft_policy, offline_draft):
     tokenizer, task, policy, _ = sft_policy
     prompts = _prompts(tokenizer, task, 20)
     params = SamplingParams(temperature=0.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,))
-    spec = Speculator(offline_draft)
-    spec.enabled = False
-    engine = EmbeddedEngine(policy, EngineConfig(max_batch=8), speculator=spec)
+    engine = EmbeddedEngine(policy, EngineConfig(max_batch=8), drafter=DrafterSpec(draft=offline_draft))
+    engine.set_speculation(False)
     trajs = engine.generate(prompts, params)
     assert all(t.spec.verify_steps == 0 for t in trajs)
     assert [t.token_ids for t in trajs] == [t.token_ids for t in _engine(policy, 8).generate(prompts, params)]
@@ -203,7 +203,7 @@ def test_tree_explores_siblings(tiny_model):
     accepted = {}
     for name, cfg in {"chain": SpecConfig(mode="chain", gamma=3),
                       "tree": SpecConfig(mode="tree", gamma=3, tree_topk=8, tree_budget=40)}.items():
-        out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=8), speculator=Speculator(draft, cfg)).generate(prompts, params)
+        out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=8), drafter=DrafterSpec(draft=draft, spec=cfg)).generate(prompts, params)
         assert [t.token_ids for t in out] == [t.token_ids for t in plain]
         accepted[name] = sum(t.spec.accepted for t in out)
     assert accepted["tree"] > 2 * accepted["chain"]
@@ -228,13 +228,13 @@ def test_prefill_fused_into_the_step_changes_nothing(sft_policy, offline_draft, 
     monkeypatch.setattr(EmbeddedEngine, "_can_fuse", spy)
     # a short context window, so late in a request the slot lacks room and fusion is refused
     cfg = EngineConfig(max_batch=4, max_len=len(max(prompts, key=len)) + 30)
-    spec = Speculator(draft, SPEC_CONFIGS[mode]) if draft is not None else None
-    fused = EmbeddedEngine(policy, cfg, speculator=spec).generate(prompts, params, capture_features=True)
+    spec = DrafterSpec(draft=draft, spec=SPEC_CONFIGS[mode]) if draft is not None else None
+    fused = EmbeddedEngine(policy, cfg, drafter=spec).generate(prompts, params, capture_features=True)
     assert fused_calls
     if mode != "tree":  # a tree's cache slack (every drafted candidate) always leaves room for a prompt
         assert any(refused)  # both paths ran (refusals with nothing active do not count)
     monkeypatch.setattr(EmbeddedEngine, "_can_fuse", lambda *a: False)
-    apart = EmbeddedEngine(policy, cfg, speculator=spec).generate(prompts, params, capture_features=True)
+    apart = EmbeddedEngine(policy, cfg, drafter=spec).generate(prompts, params, capture_features=True)
     assert [t.token_ids for t in fused] == [t.token_ids for t in apart]
     for a, b in zip(fused, apart):
         assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
@@ -252,7 +252,7 @@ def test_prompts_fuse_only_within_the_padding_budget(sft_policy, offline_draft, 
     prompts = _prompts(tokenizer, task, 24)
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,), seed=5)
     spec_cfg = SPEC_CONFIGS[mode] if mode else None
-    width = Speculator(offline_draft, spec_cfg).verify_width() if mode else 1
+    width = Speculator(DrafterSpec(draft=offline_draft, spec=spec_cfg)).verify_width() if mode else 1
     forward = EmbeddedEngine.forward
     out, paddings = {}, {}
     for budget in (0, 20, 1000):
@@ -266,8 +266,8 @@ def test_prompts_fuse_only_within_the_padding_budget(sft_policy, offline_draft, 
             return forward(self, run, slots, ids, prefill, **kw)
 
         monkeypatch.setattr(EmbeddedEngine, "forward", spy)
-        spec = Speculator(offline_draft, spec_cfg) if mode else None
-        engine = EmbeddedEngine(policy, EngineConfig(max_batch=8, fuse_max_padding=budget), speculator=spec)
+        spec = DrafterSpec(draft=offline_draft, spec=spec_cfg) if mode else None
+        engine = EmbeddedEngine(policy, EngineConfig(max_batch=8, fuse_max_padding=budget), drafter=spec)
         out[budget] = engine.generate(prompts, params)
         assert all(p <= budget for p in seen), (budget, seen)
     widths = {len(p) for p in prompts}
@@ -316,12 +316,12 @@ def test_prefill_ahead_changes_only_the_step_count(sft_policy, offline_draft, mo
     params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=5)
     out, steps = {}, {}
     for ahead in (0, 1, 2):
-        spec = Speculator(offline_draft, SPEC_CONFIGS[mode]) if mode else None
-        engine = EmbeddedEngine(policy, EngineConfig(max_batch=4, prefill_ahead=ahead), speculator=spec)
+        spec = DrafterSpec(draft=offline_draft, spec=SPEC_CONFIGS[mode]) if mode else None
+        engine = EmbeddedEngine(policy, EngineConfig(max_batch=4, prefill_ahead=ahead), drafter=spec)
         seen = []
         engine.step_hooks.append(lambda n_active, n_slots: seen.append((n_active, n_slots)))
         out[ahead] = engine.generate(prompts, params, capture_features=True)
-        steps[ahead] = engine.last_stats["engine_steps"]
+        steps[ahead] = out[ahead].stats.engine_steps
         assert seen and all(0 < n <= 4 and slots == 4 for n, slots in seen)
     for ahead in (1, 2):
         assert [t.token_ids for t in out[ahead]] == [t.token_ids for t in out[0]]
@@ -419,7 +419,7 @@ def test_a_speculative_step_reads_the_device_only_where_documented(tiny_model, m
     monkeypatch.setattr(EmbeddedEngine, "_spec_step", counted)
     monkeypatch.setattr(MoE, "DENSE_DISPATCH_MAX_TOKENS", 10**6)
     engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch, sampling_mode=sampling_mode),
-                            speculator=Speculator(draft, SpecConfig(mode, gamma)))
+                            drafter=DrafterSpec(draft=draft, spec=SpecConfig(mode, gamma)))
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=16, seed=2))
     assert not engine.draft_faults and len(counts) >= 5
     block_width = mode == "tree" and sampling_mode == "rng"
@@ -467,9 +467,9 @@ def test_admissions_and_plain_steps_read_the_device_only_where_documented(tiny_m
     spec = None
     if speculate:
         draft = new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64))
-        spec = Speculator(draft, SpecConfig("chain", 3))
+        spec = DrafterSpec(draft=draft, spec=SpecConfig("chain", 3))
     monkeypatch.setattr(MoE, "DENSE_DISPATCH_MAX_TOKENS", 10**6)
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch), speculator=spec)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, moe_dispatch=dispatch), drafter=spec)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2))
     kind = "spec" if speculate else "plain"
     moe = n_moe if dispatch == "exact" else 0
@@ -497,9 +497,9 @@ def test_every_cache_block_gets_its_exact_key_length_from_the_host(sft_policy, o
         return begin(self, slots, T, attn_mask, key_len)
 
     monkeypatch.setattr(KVCache, "begin_block", checked)
-    spec = Speculator(offline_draft, SPEC_CONFIGS[mode]) if mode else None
+    spec = DrafterSpec(draft=offline_draft, spec=SPEC_CONFIGS[mode]) if mode else None
     params = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(tokenizer.eos_id,), seed=1)
-    EmbeddedEngine(policy, EngineConfig(max_batch=3), speculator=spec).generate(prompts, params)
+    EmbeddedEngine(policy, EngineConfig(max_batch=3), drafter=spec).generate(prompts, params)
     assert len(seen) > 20
 
 
@@ -518,17 +518,18 @@ def test_context_end_reproduction(tiny_model, one_thread, monkeypatch):
     admitted beside the 2-token request deep into its context. Padding both rows' pending
     features to the longest overflowed the draft cache (74 > 69 positions) and turned speculation
     off for the call; now the feed is split and speculation stays on, output unchanged."""
-    import rollout.speculative as speculative
+    import rollout.drafters.eagle3 as eagle3
 
     prompts, draft = _context_end_setup(tiny_model, (2, 40, 50))
     split = []
-    fit = speculative.fit_groups
-    monkeypatch.setattr(speculative, "fit_groups", lambda *a: split.append(len(fit(*a))) or fit(*a))
+    fit = eagle3.fit_groups
+    monkeypatch.setattr(eagle3, "fit_groups", lambda *a: split.append(len(fit(*a))) or fit(*a))
     params = SamplingParams(temperature=0.0, max_new_tokens=64)
-    spec = Speculator(draft, SpecConfig(mode="chain", gamma=4))
-    out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2, max_len=64), speculator=spec).generate(prompts, params)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2, max_len=64),
+                            drafter=DrafterSpec(draft=draft, spec=SpecConfig(mode="chain", gamma=4)))
+    out = engine.generate(prompts, params)
     plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2, max_len=64)).generate(prompts, params)
-    assert spec.faults == []
+    assert engine.draft_faults == []
     assert max(split) == 2  # the mix that used to overflow did occur, and was fed in two groups
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
     assert [len(t.token_ids) for t in out] == [64 - n for n in (2, 40, 50)]  # every request ran to the context end
@@ -547,18 +548,18 @@ def test_context_end_sweep(tiny_model, one_thread, mode):
         for batch in (2, 3):
             for temp in (0.0, 1.0):
                 params = SamplingParams(temperature=temp, max_new_tokens=64, seed=i)
-                spec = Speculator(draft, cfg)
-                out = EmbeddedEngine(tiny_model, EngineConfig(max_batch=batch, max_len=64), speculator=spec
-                                     ).generate(prompts, params)
+                engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=batch, max_len=64),
+                                        drafter=DrafterSpec(draft=draft, spec=cfg))
+                out = engine.generate(prompts, params)
                 plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=batch, max_len=64)).generate(prompts, params)
-                assert spec.faults == [], (lengths, batch, temp, spec.faults)
+                assert engine.draft_faults == [], (lengths, batch, temp, engine.draft_faults)
                 assert [t.token_ids for t in out] == [t.token_ids for t in plain], (lengths, batch, temp)
                 for a, b in zip(out, plain):
                     assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-5
 
 
 def test_fit_groups():
-    from rollout.speculative import fit_groups
+    from rollout.drafters.eagle3 import fit_groups
 
     assert fit_groups([0, 10, 20], [5, 3, 2], 69) == [[0, 1, 2]]  # everything fits: one forward
     assert fit_groups([60, 0], [4, 50], 69) == [[1], [0]]  # a deep slot beside a new long prompt
@@ -579,8 +580,8 @@ def test_a_target_failure_is_raised_and_a_draft_failure_falls_back(tiny_model, o
     params = SamplingParams(temperature=0.0, max_new_tokens=12)
     plain = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2)).generate(prompts, params)
 
-    spec = Speculator(draft, SpecConfig(mode="chain", gamma=3))
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2), speculator=spec)
+    spec = DrafterSpec(draft=draft, spec=SpecConfig(mode="chain", gamma=3))
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2), drafter=spec)
     forward = engine.forward
 
     def failing_verify(run, slots, ids, *args, **kwargs):
@@ -591,17 +592,14 @@ def test_a_target_failure_is_raised_and_a_draft_failure_falls_back(tiny_model, o
     monkeypatch.setattr(engine, "forward", failing_verify)
     with pytest.raises(RuntimeError, match="target forward failed"):
         engine.generate(prompts, params)
-    assert spec.faults == []
+    assert engine.draft_faults == []
     monkeypatch.undo()
 
-    def failing_draft(*args, **kwargs):
-        raise RuntimeError("draft forward failed")
-
-    monkeypatch.setattr(draft, "forward", failing_draft)
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2), speculator=spec)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=2), drafter=spec)
+    break_draft(engine, monkeypatch)
     with pytest.warns(RuntimeWarning, match="draft failure"):
         out = engine.generate(prompts, params)
-    assert spec.faults == ["RuntimeError: draft forward failed"] and engine.last_stats["spec_faults"] == 1
+    assert engine.draft_faults == ["RuntimeError: draft forward failed"] and out.stats.spec_faults == 1
     assert [t.token_ids for t in out] == [t.token_ids for t in plain]
 
 
@@ -645,8 +643,8 @@ def test_a_step_copies_to_and_from_the_device_only_where_documented(tiny_model, 
     counting("_plan_prefill", "plan")
     spec = None
     if mode is not None:
-        spec = Speculator(new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64)), SpecConfig(mode, 3))
-    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, sampling_mode=sampling_mode), speculator=spec)
+        spec = DrafterSpec(draft=new_draft(tiny_model, prompts, DraftTrainConfig(draft_vocab_size=64)), spec=SpecConfig(mode, 3))
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=3, sampling_mode=sampling_mode), drafter=spec)
     engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, seed=2), capture_features=capture)
     draft, down = int(mode is not None), int(capture)
     step = "plain" if mode is None else "spec"

@@ -29,13 +29,13 @@ import pytest
 import torch
 
 import rollout.acceptance as acc
-import rollout.speculative as speculative
+import rollout.drafters.eagle3 as eagle3
 import rollout.verify as verify
 from draft_models.vocab import target_ids
 from helpers import chi2_pvalue
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from rollout.tree import node_depths
 from specrl.config import DraftTrainConfig
 from specrl.drafts import new_draft
@@ -129,14 +129,14 @@ def _spy_steps(monkeypatch) -> list[Step]:
     return steps
 
 
-def _generate(pair, cfg: SpecConfig, monkeypatch, seed: int = 3, speculator: Speculator | None = None):
+def _generate(pair, cfg: SpecConfig, monkeypatch, seed: int = 3, drafter: DrafterSpec | None = None):
     """N copies of the prompt through the engine in rng mode -> (decisions, steps). A decision is
     (trajectory, token index, depth within its verify step, step) for every token a step emitted.
-    `speculator`: another drafter than the pair's EAGLE-3 draft (rollout.history)."""
+    `drafter`: another drafter than the pair's EAGLE-3 draft (rollout.drafters.history)."""
     target, draft = pair
     steps = _spy_steps(monkeypatch)
     engine = EmbeddedEngine(target, EngineConfig(max_batch=256, sampling_mode="rng"),
-                            speculator=speculator or Speculator(draft, cfg))
+                            drafter=drafter or DrafterSpec(draft=draft, spec=cfg))
     trajs = engine.generate([PROMPT] * N, SamplingParams(temperature=1.0, max_new_tokens=MAX_NEW, seed=seed))
     assert engine.draft_faults == [] and all(len(t.token_ids) == MAX_NEW for t in trajs)
     by_id = {t.request_id: t for t in trajs}
@@ -304,13 +304,13 @@ def test_tree_with_pruned_siblings_matches_target(pair, monkeypatch):
 def test_tree_pruned_siblings_check_has_power(pair, monkeypatch):
     """The same check fails when the pruned siblings are dropped from the recursion instead of
     kept unverified (marked invalid, as if they had never been drafted)."""
-    keep = speculative._with_pruned_siblings
+    keep = eagle3._with_pruned_siblings
 
     def dropped(*args):
         nodes, parents, valid, verified = keep(*args)
         return nodes, parents, verified, verified
 
-    monkeypatch.setattr(speculative, "_with_pruned_siblings", dropped)
+    monkeypatch.setattr(eagle3, "_with_pruned_siblings", dropped)
     decisions, steps = _generate(pair, PRUNED, monkeypatch)
     assert all(s.unverified == 0 for s in steps)
     stat, df, pval, tested = law_check(pair[0], decisions, min_depth=0)

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 from specrl.config import CoTrainConfig, OnlineDraftConfig, SchedulerConfig
 from helpers import tiny_hf_model, tiny_hf_tokenizer
 
@@ -41,7 +41,7 @@ def _run(tmp_path, name, plugin_config=None, disable_speculation=False, wrap_rol
         kwargs = specrl_grpo_kwargs(model, config=plugin_config)
         plugin = kwargs["rollout_func"].__self__ if "rollout_func" in kwargs else None
         if plugin is not None and disable_speculation:
-            plugin.cotrain.speculator.enabled = False
+            plugin.engine.set_speculation(False)
         if wrap_rollout is not None:
             kwargs["rollout_func"] = wrap_rollout(kwargs["rollout_func"])
     trainer = trl.GRPOTrainer(model=model, reward_funcs=_reward, args=args, train_dataset=_dataset(),
@@ -90,20 +90,20 @@ def test_metrics_reach_trl_log_and_draft_is_trained(online_run):
         assert "perf/draft_train_s" in r and "rollout/spec_accept_rate_per_pos/0" in r
     assert any("train/draft_loss" in r for r in rows)
     assert rows[-1]["train/draft_version"] >= 1  # trained and hot-swapped into the engine
-    engine_draft = plugin.cotrain.speculator.draft.state_dict()
+    served, version = plugin.engine.draft_weights()
     trained = plugin.cotrain.draft_trainer.export_weights()
-    assert all(torch.equal(engine_draft[k], trained[k]) for k in trained if plugin.cotrain.speculator.version)
+    assert all(torch.equal(served[k], trained[k]) for k in trained if version)
 
 
 def test_policy_sync_follows_trl_and_never_touches_the_draft(online_run):
     trainer, plugin, _, _ = online_run
-    draft_before = {k: v.clone() for k, v in plugin.cotrain.speculator.draft.state_dict().items()}
+    draft_before, _ = plugin.engine.draft_weights()
     assert plugin.sync_policy(trainer, force=True)
     hf = trainer.accelerator.unwrap_model(trainer.model)
     ids = torch.randint(3, 96, (2, 10), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(plugin.target(ids).logits, hf(ids).logits, atol=2e-5, rtol=1e-5)
-    after = plugin.cotrain.speculator.draft.state_dict()
+    after, _ = plugin.engine.draft_weights()
     assert all(torch.equal(draft_before[k], after[k]) for k in draft_before)
     assert plugin.cotrain.policy_version == STEPS
 
@@ -181,6 +181,6 @@ def test_draft_from_module_or_sglang_folder_reads_the_engines_target(tmp_path):
     save_draft(draft, tmp_path / "draft")
     for source in (draft, tmp_path / "draft"):
         plugin = SpecRLPlugin(model, draft=source, config=_online_config("frozen"))
-        engine_draft = plugin.cotrain.speculator.draft
+        engine_draft = plugin.cotrain.serving_draft()
         assert engine_draft.embed_tokens is plugin.target.embed_tokens  # not the other copy
         assert torch.equal(engine_draft.fc.weight, draft.fc.weight)

@@ -20,7 +20,7 @@ from upstream import import_areal
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
-from rollout.speculative import SpecConfig
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.rl_setup import encode_prompts
 from specrl.train_rl import RLCallback
 
@@ -53,7 +53,7 @@ def test_specrl_engine_is_an_areal_engine_and_greedy_stays_plain(areal, sft_poli
     examples = task.examples("heldout", 6, 4)
     prompts = encode_prompts(tokenizer, examples)
     server = integration.ChunkServer(EmbeddedEngine(copy.deepcopy(policy), EngineConfig(max_batch=8)), chunk_tokens=5)
-    server.install_draft(offline_draft, SpecConfig(mode="chain", gamma=3))
+    server.install_draft(DrafterSpec(draft=offline_draft, spec=SpecConfig(mode="chain", gamma=3)))
     engine = integration.areal_engine(server, InferenceEngineConfig(consumer_batch_size=6, max_head_offpolicyness=0,
                                                                     max_concurrent_rollouts=8))
     assert isinstance(engine, InferenceEngine)
@@ -152,10 +152,18 @@ def test_async_grpo_holds_the_staleness_bound_and_serving_logprobs(areal, cache,
 
 
 def test_a_draft_fault_mid_run_never_stops_the_async_loop(areal, cache):
+    from helpers import break_draft
+    from specrl.train_rl import RLCallback
+
+    class FaultAfterStep1(RLCallback):  # the engine's draft raises in its next forward: a draft-side crash
+        def on_step_end(self, run, step, row):
+            if step == 1:
+                break_draft(run.engine.engine, None, "injected draft fault", once=True)
+
     integration, async_rl = areal
     out = async_rl.train_async_rl("arith", "ci", spec="online", steps=6, seed=1, cache_dir=cache,
-                                  acfg=async_rl.AsyncConfig(staleness=1, chunk_tokens=8), fault_at_step=2,
-                                  log=lambda *a: None)
+                                  acfg=async_rl.AsyncConfig(staleness=1, chunk_tokens=8),
+                                  callbacks=(FaultAfterStep1(),), log=lambda *a: None)
     rows = out["rows"]
     assert len(rows) == 6 and out["summary"]["spec_faults"] == 1
     assert all(r["spec_faults_total"] == 0 for r in rows[:2])

@@ -29,7 +29,7 @@ from upstream import import_sglang
 from rollout.sglang_engine import SGLangEngine, SGLangEngineConfig, WeightIsolationError, default_serializer
 from rollout.sglang_args import sglang_server_args, to_cli_args
 from rollout.sglang_weights import reaches_draft
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 
 pytestmark = pytest.mark.sglang
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from upstream import import_verl
 
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 from specrl.integrations import verl as adapter
 
 pytestmark = pytest.mark.verl

@@ -12,7 +12,7 @@ from test_sglang_engine import FakeSGLang, json_serializer, load_fixture, make_p
 from draft_models.checkpoint import draft_state_dict_for_sglang
 from rollout.sglang_engine import (HTTPTransport, SGLangEngine, SGLangEngineConfig, SpecMetaError,
                                    WeightIsolationError)
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 from specrl.integrations import verl
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -24,7 +24,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import DraftReceiver, SamplingParams, summarize_spec_stats
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 
 LANE = os.environ.get("SPECRL_LANE") == "vllm"
 if importlib.util.find_spec("vllm") is None and not LANE:
@@ -67,7 +67,7 @@ def plain(setup):
 
 @pytest.fixture(scope="module")
 def spec(setup):
-    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16), draft=setup[3], spec=SpecConfig(gamma=GAMMA))
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16), drafter=DrafterSpec(draft=setup[3], spec=SpecConfig(gamma=GAMMA)))
     yield engine
     engine.shutdown()
 
@@ -125,7 +125,7 @@ def test_speculation_by_batch_size_follows_the_schedule(setup, plain, spec):
     requests run, so a batch of 16 drafts a few tokens in its tail where the unscheduled engine
     drafts at every step, while one request alone speculates in full; tokens stay plain vLLM's."""
     sched = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16, spec_schedule=((1, 2, GAMMA), (3, 16, 0))),
-                       draft=setup[3], spec=SpecConfig(gamma=GAMMA))
+                       drafter=DrafterSpec(draft=setup[3], spec=SpecConfig(gamma=GAMMA)))
     try:
         prompts = _prompts(setup, 16, seed=5)
         ref = plain.generate(prompts, _greedy(setup))
@@ -156,7 +156,7 @@ def test_vllm_reads_the_exported_tap_layers(setup, spec):
     draft = setup[3]
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(ns) == tuple(i + 1 for i in draft.cfg.aux_layer_ids)
     prompts = _prompts(setup, 48, seed=3)
-    embedded = EmbeddedEngine(setup[2], EngineConfig(max_batch=16), Speculator(draft, SpecConfig(gamma=GAMMA)))
+    embedded = EmbeddedEngine(setup[2], EngineConfig(max_batch=16), DrafterSpec(drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=GAMMA))))
     ours = summarize_spec_stats(t.spec for t in embedded.generate(prompts, _greedy(setup)))
     theirs = summarize_spec_stats(t.spec for t in spec.generate(prompts, _greedy(setup)))
     print(f"accept length: specrl engine {ours['accept_length']:.4f}, vLLM {theirs['accept_length']:.4f}")
@@ -340,10 +340,11 @@ def _draft_nonfinite(worker) -> int:
     return sum(int((~torch.isfinite(t)).sum()) for t in tensors)
 
 
-def test_a_draft_push_leaves_nothing_of_the_previous_draft(setup, spec):
+def test_a_draft_push_leaves_nothing_of_the_previous_draft(setup, spec, monkeypatch):
     """A draft with finite but huge weights (the push's checks let it through) overflows and
     writes inf/NaN into the drafter's KV cache and buffers in vLLM; pushing the trained draft back
     must give exactly the clean engine's acceptance on the very next generate."""
+    monkeypatch.setattr("rollout.vllm_engine.probe_draft", lambda *a, **k: None)  # it would refuse this draft
     prompts = _prompts(setup, 48, seed=3)
     clean = spec.generate(prompts, _greedy(setup))
     trained, v0 = spec.draft_weights()
@@ -505,9 +506,9 @@ def test_bad_input_is_refused_in_one_line(setup, tmp_path):
     other = model_config_for("quick", policy.cfg.vocab_size + 8).build()
     bad = Eagle3Config.for_target(other.cfg, 32).build(other.embed_tokens)
     with pytest.raises(VLLMEngineError, match="vocab_size"):
-        VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), draft=bad)
+        VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), drafter=DrafterSpec(draft=bad))
     with pytest.raises(VLLMEngineError, match="chains"):
-        VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), draft=setup[3], spec=SpecConfig(mode="tree"))
+        VLLMEngine(policy, VLLMEngineConfig(work_dir=str(tmp_path)), drafter=DrafterSpec(draft=setup[3], spec=SpecConfig(mode="tree")))
     assert json.loads((tmp_path / "policy" / "config.json").read_text())["model_type"] == "qwen3_moe"
 
 
@@ -542,12 +543,12 @@ if __name__ == "__main__":
     import torch
     import rollout.vllm_engine as ve
     from rollout.protocol import SamplingParams
-    from rollout.speculative import SpecConfig
+    from rollout.drafters import DrafterSpec, SpecConfig
 
     if sys.argv[2] == "no-watch":  # only the driver's own signal handling stops vLLM
         ve._watch_driver_in_worker = lambda worker, driver_pid: {"watching": False}
     policy, draft = torch.load(sys.argv[1], weights_only=False)
-    engine = ve.VLLMEngine(policy, ve.VLLMEngineConfig(max_batch=4), draft=draft, spec=SpecConfig(gamma=3))
+    engine = ve.VLLMEngine(policy, ve.VLLMEngineConfig(max_batch=4), drafter=DrafterSpec(drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=3))))
     engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=8))
     print("driver ready; watch:", engine.driver_watch, flush=True)
     time.sleep(600)
@@ -636,7 +637,7 @@ def test_history_drafter_runs_in_vllm_losslessly(setup, plain):
     co-training plug-in: greedy and sampled rollouts of GRPO-style groups (each prompt 4 times,
     more requests than slots) give plain vLLM's tokens; drafts are accepted, and many more of them
     once the previous call's answers join the history."""
-    from rollout.history import HistoryConfig
+    from rollout.drafters.history import HistoryConfig
     from specrl.config import CoTrainConfig
     from specrl.cotrain import SpecCoTrainer
 
@@ -681,12 +682,12 @@ def test_history_drafts_follow_the_exact_law_in_vllm(setup):
     (chi-square, alpha = 1e-3; the power of this test against a 15% mixture is simulated in
     test_power_of_the_law_test), with at least 20% of the requests decided past the first
     verify decision."""
-    from rollout.history import HistoryConfig
+    from rollout.drafters.history import HistoryConfig, HistoryStore
 
     policy, prompt, N = setup[2], _prompts(setup, 1, seed=99)[0], N_THIRD
     engine = VLLMEngine(policy, VLLMEngineConfig(max_batch=16))
     try:
-        engine.install_history(HistoryConfig(), SpecConfig(gamma=2))
+        engine.install_draft(DrafterSpec("history", spec=SpecConfig(gamma=2), history=HistoryStore(HistoryConfig())))
         trajs = _run(engine, [prompt] * N, SamplingParams(temperature=1.0, max_new_tokens=3, seed=6), 16 * 8)
     finally:
         engine.shutdown()
@@ -696,41 +697,27 @@ def test_history_drafts_follow_the_exact_law_in_vllm(setup):
 
 
 def test_the_run_choice_restarts_vllm_without_its_drafter_and_back(setup, plain):
-    """With a run choice (specrl.controller.RunChoice decides; here a scripted one), each call
-    decodes as the choice says: vLLM restarts without its drafter for plain calls (no speculative
-    statistics) and with it again afterwards, every call reported to the choice; a draft pushed
-    while vLLM runs plain is the one the next speculating start loads. Greedy tokens equal plain
+    """The speculation switch (set_speculation; a run choice, specrl.run_choice, flips it, here a
+    script): vLLM restarts without its drafter for plain calls (no speculative statistics) and
+    with it again afterwards, every call's figures saying how it decoded; a draft pushed while
+    vLLM runs plain is the one the next speculating start loads. Greedy tokens equal plain
     vLLM's in every call."""
-    class Scripted:
-        def __init__(self, arms):
-            self.arms, self.calls = list(arms), []
-
-        def arm(self):
-            return self.arms[len(self.calls)]
-
-        def record(self, arm, tokens, seconds):
-            self.calls.append((arm, tokens, seconds))
-
-        def saved_s(self, tokens, seconds):
-            return None
-
+    arms = ["spec", "plain", "plain", "spec"]
     prompts = _prompts(setup, 16, seed=5)
     ref = [t.token_ids for t in plain.generate(prompts, _greedy(setup))]
-    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16), draft=setup[3], spec=SpecConfig(gamma=GAMMA))
-    choice = Scripted(["spec", "plain", "plain", "spec"])
-    engine.choose_per_run(choice)
+    engine = VLLMEngine(setup[2], VLLMEngineConfig(max_batch=16), drafter=DrafterSpec(draft=setup[3], spec=SpecConfig(gamma=GAMMA)))
     try:
         got = []
-        for i in range(4):
+        for i, arm in enumerate(arms):
+            engine.set_speculation(arm == "spec")
             if i == 2:  # while plain: the worker has no drafter, the engine's copy takes the weights
                 trained, _ = engine.draft_weights()
                 engine.push_draft({k: (torch.randn_like(v) * 0.02 if v.is_floating_point() else v)
                                    for k, v in trained.items()}, version=1)
             got.append(engine.generate(prompts, _greedy(setup)))
             assert [t.token_ids for t in got[-1]] == ref
-            assert engine.speculating == (choice.arms[i] == "spec")
-        assert [arm for arm, _, _ in choice.calls] == choice.arms
-        assert all(n == sum(len(t) for t in ref) and s > 0 for _, n, s in choice.calls)
+            assert got[-1].stats.speculated == engine.speculating == (arm == "spec")
+        assert all(out.stats.tokens == sum(len(t) for t in ref) and out.stats.wall_s > 0 for out in got)
         assert all(t.spec is None for t in got[1] + got[2])
         first, last = (summarize_spec_stats(t.spec for t in got[i])["accept_length"] for i in (0, 3))
         print(f"run choice on vLLM: accept length {first:.3f} (offline draft), plain, plain, "
@@ -738,3 +725,203 @@ def test_the_run_choice_restarts_vllm_without_its_drafter_and_back(setup, plain)
         assert first > 1.5 and last < first - 0.3 and engine.draft_version == 1
     finally:
         engine.shutdown()
+
+
+def _draft_state(worker) -> dict:
+    """What the worker's drafter computes with: every non-empty tensor of the draft model and, for
+    each linear layer, its weight as its GEMM sees it (the layer applied to the identity matrix;
+    on CPU the weight lives in a prepacked handle and the registered one is an empty placeholder)."""
+    model = worker.model_runner.drafter.model
+    out = {}
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.numel():
+                out[name] = "on the meta device" if t.is_meta else t.detach().clone()
+        for name, m in model.named_modules():
+            method, k = getattr(m, "quant_method", None), getattr(m, "input_size_per_partition", None)
+            if method is not None and k is not None:
+                out[f"{name} (as applied)"] = method.apply(m, torch.eye(k, dtype=torch.float32))
+    return out
+
+
+def _differing(a: dict, b: dict) -> list[str]:
+    """Names whose tensors differ between two _draft_state results (or exist in one only)."""
+    return sorted(n for n in a.keys() | b.keys() if not (isinstance(a.get(n), torch.Tensor) and
+                                                         isinstance(b.get(n), torch.Tensor) and
+                                                         torch.equal(a[n], b[n])))
+
+
+def test_a_draft_whose_activations_overflow_is_refused_before_it_serves(setup, spec):
+    """A single finite weight of 1e30 passes the finiteness check, and in vLLM would write inf/NaN
+    into the drafter's state; the probe (a short draft chain on a fixed input) refuses it in one
+    line, wherever the weight sits, and the engine and the worker keep the previous draft."""
+    from rollout.vllm_engine import probe_draft
+
+    assert probe_draft(setup[3]) is None  # the trained draft passes
+    state0, fp0 = spec.llm.collective_rpc(_draft_state)[0], spec.fingerprint()
+    weights0, v0 = spec.draft_weights()
+    for name in ("fc.weight", "midlayer.mlp.down_proj.weight", "lm_head.weight"):
+        bad = {k: v.clone() for k, v in weights0.items()}
+        bad[name][0, 0] = 1e30
+        with pytest.raises(ValueError, match="draft weights refused: .* probe input") as e:
+            spec.push_draft(bad, version=v0 + 1)
+        print(f"1e30 in {name}: {e.value}")
+        assert "\n" not in str(e.value)
+    weights1, v1 = spec.draft_weights()
+    assert v1 == v0 and all(torch.equal(weights1[k], weights0[k]) for k in weights0)
+    assert _differing(spec.llm.collective_rpc(_draft_state)[0], state0) == []
+    assert spec.fingerprint() == fp0
+
+
+def _plant_reload_failure(worker) -> None:
+    """Make the drafter's next weight load fail inside vLLM's loader at the last tensor it loads
+    (handed over one row short), after the layers loaded before it have taken their new weights."""
+    model = worker.model_runner.drafter.model
+    load = type(model).load_weights.__get__(model)
+
+    def failing(weights):
+        weights = sorted(weights, key=lambda w: w[0])  # a fixed order: the final norm comes last
+        i = max(j for j, (name, _) in enumerate(weights) if "t2d" not in name)  # vLLM skips t2d
+        name, t = weights[i]
+        weights[i] = (name, t[:-1])
+        failing.fired = name
+        return load(weights)
+
+    failing.fired = None
+    model.load_weights = failing
+
+
+def _unplant_reload_failure(worker) -> str | None:
+    """Remove the planted failure; the name of the tensor it spoiled, if it fired."""
+    return getattr(vars(worker.model_runner.drafter.model).pop("load_weights", None), "fired", None)
+
+
+def test_a_draft_reload_that_fails_inside_the_worker_leaves_the_previous_draft(setup, spec):
+    """vLLM's loader fails part way through a push, inside the worker, after some of the draft's
+    layers took new weights: the push raises, and the worker's drafter computes with exactly the
+    previous draft (nothing half written, nothing left on the meta device), speculates as before,
+    and takes the next push and the one after normally."""
+    prompts = _prompts(setup, 32, seed=7)
+    clean = spec.generate(prompts, _greedy(setup))
+    state0, fp0 = spec.llm.collective_rpc(_draft_state)[0], spec.fingerprint()
+    weights0, v0 = spec.draft_weights()
+    halved = {k: (v * 0.5 if v.is_floating_point() else v) for k, v in weights0.items()}
+    spec.llm.collective_rpc(_plant_reload_failure)
+    try:
+        with pytest.raises(Exception, match="Worker failed"):  # vLLM's word for an error in the worker
+            spec.push_draft(halved, version=v0 + 1)
+    finally:
+        spoiled = spec.llm.collective_rpc(_unplant_reload_failure)[0]
+    assert spoiled is not None  # the failure was the planted one
+    differ = _differing(spec.llm.collective_rpc(_draft_state)[0], state0)
+    assert differ == [], f"the worker's draft differs from the previous one in {differ}"
+    assert spec.fingerprint() == fp0
+    weights1, v1 = spec.draft_weights()
+    assert v1 == v0 and all(torch.equal(weights1[k], weights0[k]) for k in weights0)
+    after = spec.generate(prompts, _greedy(setup))
+    a0, a1 = (summarize_spec_stats(t.spec for t in x)["accept_length"] for x in (clean, after))
+    assert [t.token_ids for t in after] == [t.token_ids for t in clean] and a1 == a0
+    spec.push_draft(halved, version=v0 + 1)  # the next reloads run as usual
+    moved = _differing(spec.llm.collective_rpc(_draft_state)[0], state0)
+    spec.push_draft(weights0, version=v0 + 2)
+    print(f"failed reload (at {spoiled}): the drafter kept its draft (accept length {a0:.4f} before, {a1:.4f} after); "
+          f"the next push changed {len(moved)} of its {len(state0)} tensors")
+    # every layer of the draft's own took the push (the embedding is the target's)
+    assert {n for n in state0 if n.endswith("(as applied)") and "embed_tokens" not in n} <= set(moved)
+    assert _differing(spec.llm.collective_rpc(_draft_state)[0], state0) == []
+
+
+def _tied_policy():
+    """A small dense Llama-like policy with tied input and output embeddings (the real model's
+    layout: exported as an HF Llama folder without lm_head.weight)."""
+    from target_training.config import MoEConfig
+
+    torch.manual_seed(0)
+    cfg = MoEConfig(vocab_size=256, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                    dense_first_layer=True, dense_layers=(1,), qk_norm=False, tie_embeddings=True, max_seq_len=128)
+    policy = cfg.build().eval()
+    assert policy.lm_head.weight is policy.embed_tokens.weight
+    return policy
+
+
+def _logprob_gap(engine, policy, prompts, temperature) -> float:
+    """Max |vLLM's log-prob - the policy's log_softmax(logits / T)| over sampled tokens, the
+    policy teacher-forced on vLLM's sequences (what the RL trainer recomputes)."""
+    from rollout.sampling import policy_logprobs
+
+    trajs = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=16, seed=1))
+    gap = 0.0
+    with torch.no_grad():
+        for p, t in zip(prompts, trajs):
+            lp = policy_logprobs(policy(torch.tensor([list(p) + list(t.token_ids)])).logits[0, len(p) - 1:-1].double(),
+                                 temperature)
+            want = lp.gather(-1, torch.tensor(t.token_ids).unsqueeze(-1)).squeeze(-1)
+            gap = max(gap, float((t.logprobs.double() - want).abs().max()))
+    return gap
+
+
+def test_a_sync_of_a_tied_embedding_reaches_vllms_lm_head(tmp_path):
+    """With tied embeddings vLLM's LM head reads the embedding's tensor, but on CPU through a
+    GEMM handle prepacked at load. A sync that moves only the embedding must reach the logits:
+    vLLM's log-probs of sampled tokens (T = 0.7) equal the trainer's within fp32 rounding, before
+    the sync, after it and after syncing back."""
+    from safetensors import safe_open
+
+    policy = _tied_policy()
+    engine = VLLMEngine(policy, VLLMEngineConfig(max_batch=4, max_len=128, work_dir=str(tmp_path)))
+    config = json.loads((engine.policy_dir / "config.json").read_text())
+    with safe_open(engine.policy_dir / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert config["tie_word_embeddings"] is True and "lm_head.weight" not in names
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (8,), generator=g).tolist() for _ in range(4)]
+    original = {k: v.clone() for k, v in policy.state_dict().items()}
+    try:
+        gaps = [_logprob_gap(engine, policy, prompts, 0.7)]
+        with torch.no_grad():
+            policy.embed_tokens.weight.add_(0.05 * torch.randn(policy.embed_tokens.weight.shape, generator=g))
+        assert all(torch.equal(v, original[k]) for k, v in policy.state_dict().items() if "embed" not in k
+                   and k != "lm_head.weight")  # only the embedding (and the head tied to it) moved
+        engine.load_policy_weights(policy.state_dict())
+        sync = dict(engine.last_sync)
+        gaps.append(_logprob_gap(engine, policy, prompts, 0.7))
+        policy.load_state_dict(original)
+        engine.load_policy_weights(original)
+        gaps.append(_logprob_gap(engine, policy, prompts, 0.7))
+    finally:
+        engine.shutdown()
+    print(f"tied embeddings: vLLM vs trainer log-prob max |diff| before the sync {gaps[0]:.2e}, after a sync of "
+          f"the embedding {gaps[1]:.2e}, after syncing back {gaps[2]:.2e}")
+    assert max(gaps) < 1e-4
+    assert sync["mode"] == "inplace" and sync["tied_heads_rebuilt"] >= 1  # in place, not by a restart
+
+
+@pytest.mark.parametrize("how", ["raises", "missing"])
+def test_the_driver_watch_says_once_what_is_lost_without_pidfds(monkeypatch, how):
+    """Where pidfds are unavailable the worker cannot watch the driving process: it says so once,
+    naming what is lost (an orphaned engine core outlives a killed driver), and starts no watch."""
+    import threading
+    import warnings
+
+    import rollout.vllm_engine as ve
+
+    monkeypatch.setattr(ve, "_WARNED_NO_WATCH", False)
+    if how == "raises":
+        def no_pidfds(pid, flags=0):
+            raise OSError(38, "Function not implemented")
+
+        monkeypatch.setattr(os, "pidfd_open", no_pidfds)
+    else:
+        monkeypatch.delattr(os, "pidfd_open", raising=False)
+    with open(f"/proc/{os.getppid()}/stat") as f:  # the watch asks that the "engine core" (here: this
+        grandparent = int(f.read().rsplit(")", 1)[1].split()[1])  # process's parent) be the driver's child
+    with pytest.warns(RuntimeWarning, match="cannot watch") as record:
+        first = ve._watch_driver_in_worker(None, grandparent)
+    with warnings.catch_warnings(record=True) as again:
+        warnings.simplefilter("always")
+        second = ve._watch_driver_in_worker(None, grandparent)
+    said = [str(w.message) for w in [*record, *again] if "cannot watch" in str(w.message)]
+    print(f"without pidfds ({how}): {said}")
+    assert len(said) == 1 and "orphaned" in said[0] and "engine core" in said[0]
+    assert first["watching"] is False and second["watching"] is False and "orphaned" in first["lost"]
+    assert not any(t.name == "specrl-driver-watch" for t in threading.enumerate())

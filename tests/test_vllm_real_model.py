@@ -20,7 +20,7 @@ import torch
 
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams, summarize_spec_stats
-from rollout.speculative import SpecConfig
+from rollout.drafters import DrafterSpec, SpecConfig
 from target_training.sft import default_cache_dir
 from helpers import REAL_MAX_LEN, real_drafts, real_target
 
@@ -86,7 +86,7 @@ def test_vllm_serves_the_real_model_with_the_embedded_engines_tokens(real, vllm_
 def test_greedy_eagle3_on_vllm_equals_plain_vllm_on_the_real_model(real, vllm_plain):
     model, _, prompts, embedded = real
     draft = real_drafts(model, prompts, [t.token_ids for t in embedded])["fitted"]
-    engine = VLLMEngine(model, _engine_config(), draft=draft, spec=SpecConfig(gamma=GAMMA))
+    engine = VLLMEngine(model, _engine_config(), drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=GAMMA)))
     try:
         got = engine.generate(prompts, _greedy())
     finally:

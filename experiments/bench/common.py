@@ -7,22 +7,45 @@ prompts, so ratios between its rows are meaningful on a noisy machine.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import platform
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 
+from rollout.protocol import Rollout
 from specrl.presets import get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
 from target_training.sft import default_cache_dir
 
 
+def code_version() -> str:
+    """The code a figure ran on: this checkout's git commit ("+changes" where the working tree
+    differs from it), or the installed package's version outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30,
+                              check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short=10", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.SubprocessError):
+        from importlib.metadata import version
+
+        return f"specrl {version('specrl')}"
+
+
 def machine_info() -> dict:
+    """The machine and the code a result ran on, with the date (UTC): every summary.json carries it."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "code_version": code_version()}
 
 
 def turn_order(names, k: int) -> list:
@@ -57,7 +80,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
 
     for engine in engines.values():
         getattr(engine, "ready", lambda: None)()
-        engine.generate(prompts[: min(len(prompts), 2)], params)
+        engine.generate(prompts[: min(len(prompts), 2)], params, request_ids=range(min(len(prompts), 2)))
     profilers = {name: StepProfiler(engines[name].device) for name in profile}
     best: dict[str, dict] = {}
     names = list(engines)
@@ -71,7 +94,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
                 profilers[name].call = rep  # the step records say which repeat they came from
             try:
                 t0 = time.perf_counter()
-                trajs = engine.generate(prompts, params)
+                trajs = engine.generate(prompts, params, request_ids=range(len(prompts)))  # the same samples every call
                 wall = time.perf_counter() - t0
             finally:
                 if name in profilers:
@@ -80,7 +103,7 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
             per_repeat[name].append(n / wall)
             if name not in best or n / wall > best[name]["tokens_per_s"]:
                 # engine steps: deterministic for a given engine, prompts and draft (None where unknown)
-                steps = (getattr(engine, "last_stats", None) or {}).get("engine_steps")
+                steps = trajs.stats.engine_steps if isinstance(trajs, Rollout) and trajs.stats else None
                 best[name] = {"tokens_per_s": n / wall, "tokens": n, "wall_s": wall, "trajectories": trajs,
                               "engine_steps": steps}
     # tokens/s of every repeat, in repeat order: ratios between engines per repeat are their
@@ -95,7 +118,7 @@ def profiled_run(engine, prompts, params):
 
     engine.profiler = StepProfiler(engine.device)
     try:
-        trajs = engine.generate(prompts, params)
+        trajs = engine.generate(prompts, params, request_ids=range(len(prompts)))
     finally:
         prof, engine.profiler = engine.profiler, None
     return trajs, prof
@@ -168,9 +191,9 @@ class Grouped:
     def __init__(self, engine, batch: int):
         self.engine, self.batch = engine, batch
 
-    def generate(self, prompts, params):
+    def generate(self, prompts, params, request_ids=None):
+        ids = list(range(len(prompts)) if request_ids is None else request_ids)
         out = []
         for i in range(0, len(prompts), self.batch):
-            group = prompts[i:i + self.batch]
-            out += self.engine.generate(group, params, request_ids=range(i, i + len(group)))
+            out += self.engine.generate(prompts[i:i + self.batch], params, request_ids=ids[i:i + self.batch])
         return out

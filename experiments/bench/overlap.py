@@ -16,7 +16,7 @@ decodes with the starting draft, and the only difference left is the draft train
 
 Blocks, not single steps: an overlapped burst launched at the end of a step runs during the next
 step, so with turns of one step it would run under *another arm's* step and bill its cost there
-(a first version of this benchmark did that, and "none" came out the slowest). At the end of an
+(even to "none", which trains nothing). At the end of an
 overlap block the RL loop waits for the burst in flight (`SpecCoTrainer.wait_for_draft`), and
 that wait is added to the block's last step: the overlap arm pays for every burst it started.
 
@@ -59,6 +59,20 @@ MODES = ("none", "sequential", "overlap", "overlap_rollout")
 OVERLAP_ROLLOUT = {"mode": "overlap", "overlap_until": "rollout", "rollout_threads": 1}
 
 
+class StartingDraftEngine(EmbeddedEngine):
+    """An embedded engine that takes a pushed draft's version but not its weights: every arm
+    speculates with the starting draft, so the arms differ only in how the draft trains."""
+
+    pushed_version = 0
+
+    def push_draft(self, weights: dict, version: int) -> None:
+        self.pushed_version = version
+
+    @property
+    def draft_version(self) -> int | None:
+        return self.pushed_version
+
+
 def _setup(task_name: str, preset_name: str, out_dir, seed: int, cache_dir, log):
     """The output folder, the preset, its policy and cached offline draft, and the RL prompt pool."""
     from target_training.sft import default_cache_dir
@@ -88,11 +102,9 @@ def _arm(mode: str, policy, draft, preset: RunPreset, seed: int, out: Path, toke
         sched = OVERLAP_ROLLOUT if mode == "overlap_rollout" else {"mode": mode}
         cfg = dataclasses.replace(cfg, mode="online", seed=seed,
                                   scheduler=dataclasses.replace(cfg.scheduler, **sched))
-    engine = EmbeddedEngine(policy, EngineConfig(max_batch=preset.max_batch))
+    engine = StartingDraftEngine(policy, EngineConfig(max_batch=preset.max_batch))
     trainer = GRPOTrainer(policy, preset.grpo)
     cot = SpecCoTrainer(draft, cfg).attach(engine, trainer)
-    if mode != "none":  # same speculation in every arm: the engine keeps the starting draft
-        cot.speculator.load_draft_weights = lambda weights, version: setattr(cot.speculator, "version", version)
     arm_out = out / "arms" / mode
     arm_out.mkdir(parents=True, exist_ok=True)
     (arm_out / METRICS_FILE).unlink(missing_ok=True)  # a rerun into the same folder starts its rows afresh
@@ -146,7 +158,7 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
     """Where an overlapped burst hides and where it competes (module docstring). The buffer is
     filled by two co-trained RL steps first; the rollout engine speculates with the starting
     draft (chains, the drift runs' gamma), the burst trains the co-trainer's own copy."""
-    from rollout.speculative import Speculator
+    from rollout.drafters import DrafterSpec
     from specrl.overlap import OverlappedBursts
 
     if updates <= 0 or repeats <= 0 or not batches or any(b <= 0 for b in batches):
@@ -190,7 +202,7 @@ def bench_overlap_phases(task_name: str, preset_name: str, out_dir, *, batches=(
         for b in batches:
             prompts = encode_prompts(tokenizer, task.examples("heldout", 2 * b, seed + 5))
             engine = EmbeddedEngine(arm.policy, EngineConfig(max_batch=b),
-                                    speculator=Speculator(copy.deepcopy(draft), cot.config.spec))
+                                    drafter=DrafterSpec(draft=draft, spec=cot.config.spec))
             for threads in sorted({main_threads, 1}, reverse=True):
                 torch.set_num_threads(threads)
                 engine.generate(prompts, params)  # warm-up

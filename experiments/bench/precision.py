@@ -28,7 +28,7 @@ import torch
 
 from experiments.bench.common import save_summary, speed_setup
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.presets import get_preset
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -74,7 +74,7 @@ def bench_precision(task_name: str, preset_name: str, out_dir, *, seed: int = 0,
             p = dataclasses.replace(params, temperature=temperature)
             plain = EmbeddedEngine(target, EngineConfig(max_batch=batch)).generate(prompts, p)
             for mode, cfg in specs.items():
-                engine = EmbeddedEngine(target, EngineConfig(max_batch=batch), speculator=Speculator(d, cfg))
+                engine = EmbeddedEngine(target, EngineConfig(max_batch=batch), drafter=DrafterSpec(draft=d, spec=cfg))
                 row = {"dtype": name, "decoding": "greedy" if temperature == 0.0 else "sampled (coupled)",
                        "spec": mode, **compare(plain, engine.generate(prompts, p))}
                 rows.append(row)

@@ -12,7 +12,7 @@ def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int],
                   engine_options: dict | None = None, log=print) -> dict:
     """The phase profile and the bound's parts at each batch size, saved as DIR/summary.json;
     chains of the preset's length unless given."""
-    from rollout.speculative import SpecConfig, Speculator
+    from rollout.drafters import DrafterSpec, SpecConfig
 
     EngineConfig(**(engine_options or {}))  # a bad value fails before the expensive setup
     chain_gamma = preset_chain_length(preset_name, chain_gamma)
@@ -23,7 +23,7 @@ def bench_profile(task_name: str, preset_name: str, out_dir, batches: list[int],
         prompts = prompts_for(b * prompts_per_batch)
         config = EngineConfig(max_batch=b, **(engine_options or {}))
         engines = {"plain": EmbeddedEngine(policy, config),
-                   "chain": EmbeddedEngine(policy, config, speculator=Speculator(draft, scfg))}
+                   "chain": EmbeddedEngine(policy, config, drafter=DrafterSpec(draft=draft, spec=scfg))}
         profs = {}
         for name, e in engines.items():
             e.generate(prompts if config.compile_forwards else prompts[:2], params)  # warm-up (compiles every shape)

@@ -35,7 +35,7 @@ import torch
 from experiments.bench.common import profiled_run, repeat_ratios, save_summary, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams, accept_length
-from rollout.speculative import SpecConfig, Speculator
+from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import DraftTrainConfig
 from specrl.presets import REAL_DRAFT
 from specrl.rl_setup import encode_prompts
@@ -61,7 +61,7 @@ class HFGenerate:
         self.model, self.pad_id = model.eval(), pad_id
 
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams):
+    def generate(self, prompts, params: SamplingParams, request_ids=None):  # greedy: no noise to key
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.pad_id] * (width - len(p)) + list(p) for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -110,7 +110,7 @@ def bench_real(model_name: str, out_dir, *, batches=(1, 8, 32), dtypes=("fp32", 
             draft, info = real_draft(model, tok, cfg, cache_dir, log=log)
             info = {**info, "config": dataclasses.asdict(cfg), "draft_parameters": draft.num_parameters()}
             arms["eagle3-fp32"] = EmbeddedEngine(model, EngineConfig(max_batch=max(batches), max_len=max_len),
-                                                 speculator=Speculator(draft, SpecConfig(mode="chain", gamma=gamma)))
+                                                 drafter=DrafterSpec(draft=draft, spec=SpecConfig(mode="chain", gamma=gamma)))
         if engine == "vllm" and name == "fp32":
             arms.update(vllm_arms(model, draft if eagle3 else None, max_len, max(batches), gamma))
     if hf:
@@ -151,7 +151,7 @@ def vllm_arms(model, draft, max_len: int, max_batch: int, gamma: int) -> dict:
     cfg = VLLMEngineConfig(max_batch=max_batch, max_len=max_len, kv_cache_bytes=kv)
     arms = {"vllm-fp32": VLLMEngine(model, cfg)}
     if draft is not None:
-        arms["vllm-eagle3-fp32"] = VLLMEngine(model, cfg, draft=draft, spec=SpecConfig(mode="chain", gamma=gamma))
+        arms["vllm-eagle3-fp32"] = VLLMEngine(model, cfg, drafter=DrafterSpec(draft=draft, spec=SpecConfig(mode="chain", gamma=gamma)))
     return arms
 
 

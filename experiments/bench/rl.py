@@ -15,7 +15,7 @@ rotating from segment to segment, all in one process:
                 step costs more than it saves, chains in the long tail)
   off-b         a second `off` run: off / off-b is the noise floor of a step-time ratio
   history       drafts from the group's in-flight siblings and earlier answers to the same prompt
-                (rollout.history: no model, nothing trained), the preset's chain and controller
+                (rollout.drafters.history: no model, nothing trained), the preset's chain and controller
   hybrid        per row and step, the history draft or the online EAGLE-3 chain, whichever
                 promises more accepted tokens; the EAGLE-3 head co-trained as in `online`
   history-sib, history-past: the history drafter from in-flight siblings only / earlier answers only
@@ -48,18 +48,22 @@ co-training as a measured multiple k of the policy update's time (both are train
 the same device), a step with rollout share f becomes f / R + (1 - f)(1 + k) of an off step.
 
 Outputs in DIR: ENGINE/ARM/ (each arm's run folder: run.json, metrics.jsonl with the per-step
-parts), summary.json, rl_step.png.
+parts), summary.json, rl_step.png. A DIR holding summary.json (a finished run) is refused; one
+that a crashed or interrupted run left (arm folders, no summary.json) is reused, its arm folders
+deleted first.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import statistics
 from pathlib import Path
 
 from experiments.bench.common import length_distribution, machine_info, turn_order
 from specrl.presets import get_preset, priced
-from specrl.run_dir import RunDirError
+from specrl.run_choice import choice_history, describe
+from specrl.run_dir import RUN_FILE, RunDirError
 
 ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "history", "hybrid",
         "history-sib", "history-past", "hybrid-tree")
@@ -116,7 +120,12 @@ def vllm_schedule(task_name: str, preset_name: str, out: Path, seed: int, cache_
 
 def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedded", arms=DEFAULT_ARMS,
              steps: int | None = None, segment: int = 5, warmup: int = 1, seed: int = 0, cache_dir=None,
-             vllm_schedule: bool = False, prompt_pool: int | None = None, log=print) -> dict:
+             vllm_schedule: bool = False, prompt_pool: int | None = None, progress: bool | None = None,
+             log=print) -> dict:
+    """`progress`: bars with the time left on stderr for an uncached warm start and for the RL steps
+    (None: on a terminal only, False: none)."""
+    from tqdm import tqdm
+
     from specrl.train_rl import rl_step, start_run
 
     arms = tuple(arms)
@@ -129,11 +138,14 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     if segment < 1 or warmup < 0 or warmup >= n_steps:
         raise ValueError(f"bench rl needs --segment >= 1 and 0 <= --warmup < steps, got {segment}, {warmup}, {n_steps}")
     out = Path(out_dir)
-    if (out / "summary.json").exists() or (out / engine).exists():
-        raise RunDirError(f"output folder {out} already holds a bench rl run; choose another --out")
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--out {out} exists and is not a folder")
+    if (out / "summary.json").exists():
+        raise RunDirError(f"output folder {out} already holds a bench rl run (summary.json); choose another --out")
     calibration = None
     if vllm_schedule and engine != "vllm":
         raise ValueError("--vllm-schedule needs --engine vllm")
+    clear_unfinished(out, engine, arms, log)
     if vllm_schedule and any(arm_setup(a, base)[1].cotrain.adaptive for a in arms if a.split("-")[0] != "off"):
         # vLLM takes no per-step controller: its adaptive arms speculate by a batch-size schedule
         calibration = vllm_schedule(task_name, preset_name, out, seed, cache_dir, log)
@@ -143,23 +155,28 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     for a in arms:
         mode, preset = arm_setup(a, base)
         run, _, _ = start_run(task_name, dataclasses.replace(preset, rl_steps=n_steps), out / engine / a, seed=seed,
-                              resume=False, steps=None, cache_dir=cache_dir, progress=False, spec=mode,
+                              resume=False, steps=None, cache_dir=cache_dir, progress=progress, spec=mode,
                               engine=engine, log=log, evaluate_start=False)
         runs[a] = run
         if calibration is not None and mode != "off" and preset.cotrain.adaptive:
             run.engine.set_spec_schedule(calibration["schedule"])
     rows: dict[str, list[dict]] = {a: [] for a in arms}
     segments = []
+    bar = tqdm(total=n_steps * len(arms), desc="bench rl steps", unit="step",
+               disable=None if progress is None else not progress)
     try:
         for k, start in enumerate(range(0, n_steps, segment)):
             stop = min(start + segment, n_steps)
             for a in turn_order(arms, k):
                 for step in range(start, stop):
                     rows[a].append(rl_step(runs[a], step))
+                    bar.update(1)
             segments.append((start, stop))
-            log(f"[bench rl] steps {start}-{stop - 1}: " + ", ".join(
-                f"{a} {statistics.median(r['step_s'] for r in rows[a][start:stop]):.2f}s" for a in arms))
+            with tqdm.external_write_mode():  # the line above the bar, not through it
+                log(f"[bench rl] steps {start}-{stop - 1}: " + ", ".join(
+                    f"{a} {statistics.median(r['step_s'] for r in rows[a][start:stop]):.2f}s" for a in arms))
     finally:
+        bar.close()
         for run in runs.values():
             run.engine.shutdown()
     summary = summarize(rows, segments, warmup, base.max_new_tokens)
@@ -177,6 +194,27 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     for line in report(summary):
         log(line)
     return summary
+
+
+def clear_unfinished(out: Path, engine: str, arms, log=print) -> None:
+    """A run that crashed or was interrupted wrote arm folders and no summary.json: remove them so
+    this run starts afresh. Only folders named after an arm and holding a run's run.json are
+    removed; a folder this run's arms need that holds anything else is refused."""
+    folder = out / engine
+    if not folder.is_dir():
+        return
+    stale = [folder / a for a in ARMS
+             if (folder / a).is_dir() and not (folder / a).is_symlink() and (folder / a / RUN_FILE).is_file()]
+    for a in arms:
+        p = folder / a
+        if p not in stale and (p.is_symlink() or p.is_file() or (p.is_dir() and any(p.iterdir()))):
+            raise RunDirError(f"{p} is in the way of the {a} arm and is not a bench rl arm folder (no {RUN_FILE}); "
+                              f"choose another --out")
+    if stale:
+        log(f"[bench rl] {out} holds an unfinished bench rl run (no summary.json): deleting its arm folders in "
+            f"{folder} ({', '.join(p.name for p in stale)}) and replacing them with this run's")
+        for p in stale:
+            shutil.rmtree(p)
 
 
 def _median(xs) -> float | None:
@@ -218,14 +256,13 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["accept_length_curve"] = [r.get("rollout/spec_accept_length") for r in rows[a]]  # every step, in order
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
-        if any("rollout/spec_run_choice" in r for r in rows[a]):  # speculation chosen per rollout (RunChoice)
-            decided = [r for r in rows[a] if r.get("rollout/spec_run_choice") is not None]
-            m["run_choice"] = {"speculate": bool(decided[-1]["rollout/spec_run_choice"]) if decided else None,
-                               "speedup": decided[-1].get("rollout/spec_run_speedup") if decided else None,
-                               "decided_at_step": decided[0]["step"] if decided else None,
-                               # a re-check that changed the choice (embedded engine)
-                               "changed_at_steps": [r["step"] for p, r in zip(decided, decided[1:])
-                                                    if r["rollout/spec_run_choice"] != p["rollout/spec_run_choice"]]}
+        if any("train/draft_steps" in r for r in rs):  # an arm that trains its draft: what its budget bought, and why
+            m["draft_updates"] = sum(r.get("train/draft_steps") or 0 for r in rs)
+            m["draft_budget"] = {"priced": any(r.get("sched/draft_credit_s") is not None for r in rs),
+                                 "saving_s": _median(r.get("sched/spec_saving_s") for r in rs),
+                                 "granted_per_step": _median(r.get("sched/draft_steps_budget") for r in rs)}
+        if (choice := choice_history(rows[a])) is not None:  # speculation chosen per rollout
+            m["run_choice"] = choice
         for key in ("perf/history_s", "rollout/history_rows_share", "rollout/history_alpha", "rollout/eagle3_alpha"):
             if any(key in r for r in rs):
                 m[key.split("/")[1]] = _median(r.get(key) for r in rs)
@@ -270,20 +307,7 @@ def report(summary: dict) -> list[str]:
             lines.append(f"  {a:<13}{m['step_s']:>8.3f}{m['rollout_s']:>10.3f}{m['step_speedup']:>8.3f}"
                          f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}"
                          f"{m['total_step_speedup']:>9.3f}  {spread}")
-        for a, m in s["arms"].items():
-            c = m.get("run_choice")
-            if c is None:
-                continue
-            if c["speculate"] is None:
-                lines.append(f"  {a}: speculation for the run not decided yet (its first rollouts are timed)")
-                continue
-            changes = c.get("changed_at_steps") or []
-            first = c["speculate"] if len(changes) % 2 == 0 else not c["speculate"]  # each change flips it
-            line = f"  {a}: speculation for the run {'kept' if first else 'switched off'} at step {c['decided_at_step']}"
-            if changes:
-                line += f", changed at steps {changes}, {'on' if c['speculate'] else 'off'} at the end"
-            timed = f"x{c['speedup']:.3f}" if c["speedup"] is not None else "not timed: the estimate was sure"
-            lines.append(f"{line} (speculating over plain, tokens/s: {timed})")
+        lines += [f"  {a}: {describe(m['run_choice'])}" for a, m in s["arms"].items() if m.get("run_choice")]
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
@@ -291,6 +315,43 @@ def report(summary: dict) -> list[str]:
         for a, p in s["projection"]["arms"].items():
             lines.append(f"  projection (from measured parts, not a measurement) {a}: step x at rollout share "
                          + ", ".join(f"{float(f):.0%} {v:.2f}" for f, v in p["step_speedup"].items()))
+    return lines + legend(summary)
+
+
+def legend(summary: dict) -> list[str]:
+    """What the table's columns mean, printed once under every engine's table."""
+    w = summary["warmup_steps"]
+    lines = ["  legend: x is off's time over the arm's, so above 1 the arm is faster than off, below 1 slower",
+             f"    step x, rollout x: ratios of the medians over the timed steps (from step {w}; those before are "
+             f"warm-up); segment step x: the same ratio within each segment, its spread the ratio's noise",
+             "    total x: off's summed step time over the arm's, over the same timed steps: every one of them "
+             "counts, so the slow steps a median passes over weigh in (a run choice timing plain rollouts, an "
+             "engine restart); the warm-up steps do not",
+             "    cotrain: feature capture plus draft training, as a share of the step (median); spec steps: the "
+             "share of engine steps that verified a draft, the rest decoded plainly (the controller's or the run "
+             "choice's call); accept: median tokens emitted per verify step (accepted drafts plus the target's own)"]
+    updates = []
+    for engine, s in summary["engines"].items():
+        for a, m in s["arms"].items():
+            if "draft_updates" not in m:
+                continue
+            b = m.get("draft_budget") or {}
+            if b.get("priced"):
+                why = "priced: bought with the rollout time speculation saves" + (
+                    f", {b['saving_s']:.3f}s saved per rollout (median)" if b.get("saving_s") is not None else "")
+            else:
+                why = "not priced: the count rule" + (f", {b['granted_per_step']:g} per step (median)"
+                                                      if b.get("granted_per_step") is not None else "")
+            name = f"{engine} {a}" if len(summary["engines"]) > 1 else a
+            updates.append(f"{name} {m['draft_updates']} ({why})")
+    if updates:
+        lines.append("    draft updates over the timed steps: " + "; ".join(updates)
+                     + "; an arm not listed trains no draft")
+    choices = [m.get("run_choice") or {} for s in summary["engines"].values() for m in s["arms"].values()]
+    if any(c.get("speculate") is not None and c.get("speedup") is None for c in choices):  # a "not timed" line above
+        lines.append("    the estimate was sure: every timed speculating rollout was estimated, from the controller's "
+                     "step times, at least ControllerConfig.run_sure (1.25 by default) times faster than plain "
+                     "decoding, so speculation was kept without timing plain rollouts")
     return lines
 
 
@@ -299,7 +360,10 @@ def headline(result: dict) -> list[tuple[str, str]]:
     for engine, s in result["engines"].items():
         for a, m in s["arms"].items():
             if a != "off":
-                rows.append((f"{engine} {a}", f"step x{m['step_speedup']:.2f}, rollout x{m['rollout_speedup']:.2f}, "
-                                              f"co-training {m['cotrain_share']:.1%} of the step"))
+                choice = describe(m.get("run_choice"))
+                rows.append((f"{engine} {a}", f"step x{m['step_speedup']:.2f} (every step x{m['total_step_speedup']:.2f}), "
+                                              f"rollout x{m['rollout_speedup']:.2f}, "
+                                              f"co-training {m['cotrain_share']:.1%} of the step"
+                                              + (f"; {choice}" if choice else "")))
         rows.append((f"{engine} same updates", str(s["same_updates"])))
     return rows

@@ -15,7 +15,7 @@ The engine is how the arms are built and where their step costs come from; the m
                 same model, greedy; costs from vLLM's own steps (rollout.vllm_profile)
 
 vLLM batch sizes: a vLLM engine's batch limit is fixed when it starts, and a start costs tens of
-seconds on 2 cores, so one engine per arm serves every batch size and is fed the prompts in
+seconds on a CPU, so one engine per arm serves every batch size and is fed the prompts in
 consecutive groups of `batch` (`common.Grouped`); the embedded arm gets the same groups.
 
 The speed sweeps over chain length and tree budget are the same command with lists:
@@ -30,6 +30,7 @@ from typing import Literal
 
 from experiments.bench.common import (Grouped, model_summary, preset_chain_length, profiled_run, repeat_ratios,
                                       save_summary, speed_setup, timed_generate_interleaved)
+from rollout.drafters import DrafterSpec
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import same_tokens, summarize_spec_stats
 
@@ -184,6 +185,7 @@ class Arm:
     kind: Literal["plain", "spec", "adaptive", "compare"] = "plain"  # compare: another plain engine vs the yardstick
     spec: object = None  # the SpecConfig of a "spec" or "adaptive" arm
     label: str | None = None  # the row's "arm", where one benchmark times several engines
+    controller: object = None  # an "adaptive" arm's speculation controller
 
 
 @dataclass
@@ -196,15 +198,12 @@ class StepParts:
     per_repeat: list[dict] | None = None
 
 
-def adaptive_speculator(draft, spec_cfg, gammas):
-    """A chain speculator under the speculation controller (plain decoding where it does not pay)."""
-    from rollout.speculative import Speculator
+def adaptive_controller(gammas):
+    """The speculation controller over chains of `gammas` (plain decoding where they do not pay)."""
     from specrl.config import ControllerConfig
     from specrl.controller import SpeculationController
 
-    spec = Speculator(draft, spec_cfg)
-    spec.controller = SpeculationController(ControllerConfig(gammas=tuple(gammas)))
-    return spec
+    return SpeculationController(ControllerConfig(gammas=tuple(gammas)))
 
 
 class EmbeddedArms:
@@ -227,35 +226,37 @@ class EmbeddedArms:
         return {"engine_options": self.engine_options}
 
     def build(self, batch: int, prompts, params, warm_prompts=None) -> dict[object, Arm]:
-        from rollout.speculative import Speculator
-
         config = EngineConfig(max_batch=batch, **self.engine_options)
         engines = {"plain": EmbeddedEngine(self.policy, config)}
         for i, scfg in enumerate(self.spec_cfgs):
-            engines[i] = EmbeddedEngine(self.policy, config, speculator=Speculator(self.draft, scfg))
-        adaptive = self.adaptive_gammas
+            engines[i] = EmbeddedEngine(self.policy, config, drafter=DrafterSpec(draft=self.draft, spec=scfg))
+        adaptive, controller = self.adaptive_gammas, None
         if adaptive:
-            engines["adaptive"] = EmbeddedEngine(self.policy, config, speculator=self._adaptive())
+            controller = self._adaptive(engines)
         if config.compile_forwards:  # compile every shape the timed calls (and the controller's warm-up) meet
             for name, engine in engines.items():
                 for batch_prompts in ([prompts, warm_prompts] if name == "adaptive" else [prompts]):
-                    engine.generate(batch_prompts, params)
+                    engine.generate(batch_prompts, params, request_ids=range(len(batch_prompts)))
             if adaptive:  # a fresh controller: steps that compiled would have misled it
-                engines["adaptive"].speculator = self._adaptive()
+                controller = self._adaptive(engines)
         if adaptive:
             for _ in range(2):
-                engines["adaptive"].generate(warm_prompts, params)
+                engines["adaptive"].generate(warm_prompts, params, request_ids=range(len(warm_prompts)))
         arms = {"plain": Arm(engines["plain"])}
         arms.update({i: Arm(engines[i], "spec", scfg) for i, scfg in enumerate(self.spec_cfgs)})
         if adaptive:
-            arms["adaptive"] = Arm(engines["adaptive"], "adaptive", self._adaptive_config())
+            arms["adaptive"] = Arm(engines["adaptive"], "adaptive", self._adaptive_config(), controller=controller)
         return arms
 
     def _adaptive_config(self):
         return max((c for c in self.spec_cfgs if c.mode == "chain"), key=lambda c: c.gamma)
 
-    def _adaptive(self):
-        return adaptive_speculator(self.draft, self._adaptive_config(), self.adaptive_gammas)
+    def _adaptive(self, engines: dict):
+        """(Re)install the longest chain under a fresh controller in engines["adaptive"]; returns the controller."""
+        controller = adaptive_controller(self.adaptive_gammas)
+        engine = engines.setdefault("adaptive", EmbeddedEngine(self.policy, engines["plain"].config))
+        engine.install_draft(DrafterSpec(draft=self.draft, spec=self._adaptive_config()), controller)
+        return controller
 
     @staticmethod
     def _in_turns(arms) -> bool:
@@ -297,14 +298,14 @@ class VLLMArms:
     @classmethod
     def start(cls, policy, draft, gamma: int, max_batch: int, online_draft=None) -> "VLLMArms":
         """One engine per arm (vLLM starts on first use)."""
-        from rollout.speculative import SpecConfig
+        from rollout.drafters import SpecConfig
         from rollout.vllm_engine import VLLMEngine, VLLMEngineConfig
 
         cfg = VLLMEngineConfig(max_batch=max_batch)
         engines = {"vllm-plain": VLLMEngine(policy, cfg),
-                   "vllm-eagle3": VLLMEngine(policy, cfg, draft=draft, spec=SpecConfig(gamma=gamma))}
+                   "vllm-eagle3": VLLMEngine(policy, cfg, drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=gamma)))}
         if online_draft is not None:
-            engines["vllm-online"] = VLLMEngine(policy, cfg, draft=online_draft, spec=SpecConfig(gamma=gamma))
+            engines["vllm-online"] = VLLMEngine(policy, cfg, drafter=DrafterSpec(draft=online_draft, spec=SpecConfig(gamma=gamma)))
         engines["embedded-plain"] = EmbeddedEngine(policy, EngineConfig(max_batch=max_batch))
         return cls(engines, gamma)
 
@@ -312,7 +313,7 @@ class VLLMArms:
         return {"gamma": self.gamma}
 
     def build(self, batch: int, prompts, params, warm_prompts=None) -> dict[str, Arm]:
-        from rollout.speculative import SpecConfig
+        from rollout.drafters import SpecConfig
 
         def kind(name):
             return "plain" if name == "vllm-plain" else "compare" if name == "embedded-plain" else "spec"
@@ -330,7 +331,7 @@ class VLLMArms:
         for name, arm in arms.items():
             if name.startswith("vllm"):
                 with StepTimer(self.engines[name]) as timers[name]:
-                    arm.engine.generate(prompts, params)
+                    arm.engine.generate(prompts, params, request_ids=range(len(prompts)))
         return {name: StepParts(vllm_step_costs(timers["vllm-plain"], timers[name], batch, self.gamma), {})
                 for name, arm in arms.items() if arm.kind == "spec"}
 
@@ -365,7 +366,7 @@ def measure_batch(arm_set, prompts, params, batch: int, *, repeats: int = 3, war
             row.update(label)
         elif arm.kind == "adaptive":
             agg = summarize_spec_stats(t.spec for t in r["trajectories"])
-            controller = arm.engine.speculator.controller
+            controller = arm.controller
             bucket = controller.summary()["buckets"].get(controller.bucket_of(batch), {})
             row = {"batch": batch, "mode": "adaptive", **label, "gamma": None,
                    "gammas": list(arm_set.adaptive_gammas),
@@ -429,7 +430,7 @@ def format_table(rows: list[dict]) -> str:
 
 def spec_configs(gammas, tree_budgets, tree_depth: int, tree_topk: int) -> list:
     """Chains of each length in `gammas`, then trees of each budget in `tree_budgets`."""
-    from rollout.speculative import SpecConfig
+    from rollout.drafters import SpecConfig
 
     chains = [SpecConfig(mode="chain", gamma=g) for g in gammas]
     trees = [SpecConfig(mode="tree", gamma=tree_depth, tree_topk=tree_topk, tree_budget=n) for n in tree_budgets]

@@ -34,10 +34,12 @@ import time
 import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
-from rollout.protocol import SamplingParams, SpecStats, summarize_spec_stats
+from rollout.protocol import (EngineCapabilities, Rollout, RolloutStats, SamplingParams, SpecStats,
+                              summarize_spec_stats)
 
 
 @dataclass
@@ -102,7 +104,8 @@ class ChunkServer:
         self.rounds = 0
         self.busy_s = 0.0  # wall time inside generate
         self.wait_for_chunk_s = 0.0  # time updates waited for the chunk in flight
-        self._saved_s, self._saved_rounds, self._last_stats = 0.0, 0, {}  # speculation's estimated saving
+        self._saved_s, self._saved_rounds = 0.0, 0  # speculation's estimated saving, over the rounds since take_finished
+        self._window = [0.0, 0, False]  # generate's seconds and tokens since take_finished, and whether it speculated
         self._thread = threading.Thread(target=self._loop, name="specrl-chunk-server", daemon=True)
         self._thread.start()
 
@@ -179,36 +182,36 @@ class ChunkServer:
     def version(self) -> int:
         return self._version
 
-    def take_finished(self) -> list[SpecStats | None]:
-        """The acceptance of each request finished since the last call;
-        also closes `last_stats` over the same rounds."""
+    def take_finished(self) -> Rollout:
+        """The requests finished since the last call, as the co-training core reads a rollout:
+        each item's `spec` is a request's acceptance, and `stats` sums the chunk rounds since the
+        last call (their seconds and tokens, and the seconds speculation saved, the engine's
+        estimate where it makes one; a priced draft budget pays its updates from it)."""
         with self._cv:
             out, self.finished = self.finished, []
-            self._last_stats = {"spec_saved_s": self._saved_s} if self._saved_rounds else {}
+            (seconds, tokens, speculated), self._window = self._window, [0.0, 0, False]
+            stats = RolloutStats(wall_s=seconds, tokens=tokens, speculated=speculated,
+                                 spec_saved_s=self._saved_s if self._saved_rounds else None)
             self._saved_s, self._saved_rounds = 0.0, 0
-        return out
+        return Rollout([SimpleNamespace(spec=s) for s in out], stats)
 
     # -- DraftReceiver: the co-training core's calls, between chunks ------------------------
     @property
-    def takes_controller(self) -> bool:
-        return getattr(self.engine, "takes_controller", False)
+    def capabilities(self) -> EngineCapabilities:
+        """The engine's drafters and step policy; features come from the trainer's log-prob
+        forward, and the asynchronous loop has no per-rollout switch nor idle windows of its own."""
+        caps = self.engine.capabilities
+        return EngineCapabilities(drafters=caps.drafters, step_policy=caps.step_policy)
 
-    captures_features = False  # features come from the trainer's log-prob forward
+    def install_draft(self, drafter, policy=None) -> None:
+        self._between_chunks(lambda: self.engine.install_draft(drafter, policy))
+
+    def set_speculation(self, on: bool) -> None:
+        self._between_chunks(lambda: self.engine.set_speculation(on))
 
     @property
-    def speculator(self):
-        """The engine's speculator (experiments read its draft)."""
-        return getattr(self.engine, "speculator", None)
-
-    @property
-    def last_stats(self) -> dict:
-        """What the co-training core reads after a rollout (RolloutEngine.last_stats): the seconds
-        speculation saved (the engine's estimate, where it makes one) over the chunk rounds before
-        the last `take_finished`; a priced draft budget pays its updates from it."""
-        return dict(self._last_stats)
-
-    def install_draft(self, draft, spec, controller=None) -> None:
-        self._between_chunks(lambda: self.engine.install_draft(draft, spec, controller=controller))
+    def speculating(self) -> bool:
+        return self.engine.speculating
 
     def push_draft(self, weights: dict[str, torch.Tensor], version: int) -> None:
         self._between_chunks(lambda: self.engine.push_draft(weights, version))
@@ -261,10 +264,12 @@ class ChunkServer:
                                     stop_token_ids=p.stop_token_ids, seed=p.seed)
             trajs = self.engine.generate([c.input_ids for c in chunks], params,
                                          request_ids=[noise_key(c.rid, c.n_done) for c in chunks])
-            saved = (getattr(self.engine, "last_stats", None) or {}).get("spec_saved_s")
-            if saved is not None:
-                with self._cv:
-                    self._saved_s += saved
+            with self._cv:
+                self._window[0] += trajs.stats.wall_s
+                self._window[1] += trajs.stats.tokens
+                self._window[2] |= trajs.stats.speculated
+                if trajs.stats.spec_saved_s is not None:
+                    self._saved_s += trajs.stats.spec_saved_s
                     self._saved_rounds += 1
             for c, t in zip(chunks, trajs):
                 keep = min(len(t.token_ids), c.remaining)  # a longer round decodes past this request's end

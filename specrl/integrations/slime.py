@@ -20,10 +20,10 @@ engine-agnostic protocols (`rollout.protocol`):
       sequence straight into the co-trainer's byte-budgeted FeatureBuffer.
   --custom-megatron-before-train-step-hook-path specrl.integrations.slime.before_train_step_hook
       custom_hook(args, rollout_id, step_id, model, optimizer, opt_param_scheduler): at step 0 of
-      each rollout, `train_draft()` (the "between" window, at most `time_budget_s`), which pushes a
-      new version to every SGLang engine (`rollout.draft_fanout.DraftFanout` over
-      `SGLangEngine`s, DraftReceivers), then `on_policy_update()`: this rollout's train steps move
-      the policy, so later features carry the next version.
+      each rollout, the co-trainer's step boundary (`end_step`): this rollout's train steps move
+      the policy, so later features carry the next version; then draft updates (the "between"
+      window, at most `time_budget_s`), pushed as a new version to every SGLang engine
+      (`rollout.draft_fanout.DraftFanout` over `SGLangEngine`s, DraftReceivers).
 
 Faults: the feature tap never raises into Megatron's forward; a capture that fails (an OOM
 included) disarms it, warns once, is counted (`train/feature_tap_faults`) and co-training skips
@@ -207,10 +207,7 @@ class SlimeAdapter:
             return {}
         tap_failed = self.tap.faults > self._tap_faults_seen
         self._tap_faults_seen = self.tap.faults
-        if not tap_failed:
-            self.cotrain.train_draft()
-        self.cotrain.on_policy_update()
-        self.metrics = self.cotrain.end_step() | {"train/feature_tap_faults": self.tap.faults}
+        self.metrics = self.cotrain.end_step(train=not tap_failed) | {"train/feature_tap_faults": self.tap.faults}
         self.cotrain.begin_step()
         return self.metrics
 

@@ -12,7 +12,7 @@ places and nothing else in TRL:
   whenever an optimizer step happened since the last sync; the sync writes the target's tensors
   only, never the draft (the draft reads the target embedding by reference).
 - a `transformers.TrainerCallback` that drives `specrl.cotrain.SpecCoTrainer` around each
-  optimizer step (begin_step, on_policy_update, train_draft, end_step) and hands its metrics
+  optimizer step (begin_step, and end_step: the step boundary) and hands its metrics
   (`rollout/spec_accept_length`, `train/draft_loss`, ...) to TRL's logger.
 
 Features for online draft training come from the engine (`CoTrainConfig.feature_source =
@@ -155,9 +155,8 @@ class SpecRLPlugin:
         self.cotrain.begin_step()
 
     def end_step(self) -> dict:
-        """After an optimizer step: the policy moved; train the draft in the idle window; log."""
-        self.cotrain.on_policy_update()
-        self.cotrain.train_draft()
+        """After an optimizer step: the co-trainer's step boundary (the policy moved; the draft
+        trains in the idle window); log."""
         self.last_metrics = self.cotrain.end_step()
         if self.trainer is not None:
             log_to_trl(self.trainer, self.last_metrics)

@@ -39,7 +39,7 @@ from rollout.protocol import accept_length
 from rollout.sglang_args import sglang_server_args
 from rollout.sglang_meta import parse_spec_meta
 from rollout.sglang_weights import check_policy_sync
-from rollout.speculative import SpecConfig
+from rollout.drafters import SpecConfig
 
 # veRL 0.9.1's names (verl.experimental.agent_loop.tool_agent_loop.SPEC_DECODE_EXTRA_KEYS)
 EXTRA_KEYS = ("spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_num_verify_steps")

@@ -1,0 +1,84 @@
+"""One result of docs/results.md from the runs that measured it: medians over the runs, with
+their spread, written as the JSON docs/results/ keeps (summaries, not run folders).
+
+    python -m experiments.results NAME --command "specrl bench rl --preset speed --seed {seed}" RUN_DIR ...
+
+Each RUN_DIR holds a command's summary.json (`specrl bench rl`, `specrl drift`, `specrl bench
+speed`, ...). Its numbers are read as flat keys: nested dicts by name, a list of rows by what
+names a row (its batch, arm, mode, step), e.g. `engines.embedded.arms.online.step_speedup` or
+`rows.b16.chain.speedup`; lists of plain numbers (curves) are left out. A key's median, min and
+max are over the runs that have it. The result keeps, per run, its seed, date and code version,
+so the page that quotes it need not.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROW_NAMES = ("batch", "arm", "mode", "gamma", "step")  # what identifies a row in a summary's lists
+
+
+def flatten(obj, prefix: str = "") -> dict[str, float]:
+    """The numbers (and booleans, as 0/1) of a summary as {dotted key: value}."""
+    out: dict[str, float] = {}
+    if isinstance(obj, bool):
+        out[prefix] = float(obj)
+    elif isinstance(obj, (int, float)):
+        out[prefix] = float(obj)
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(obj, list) and obj and all(isinstance(r, dict) for r in obj):
+        for i, row in enumerate(obj):
+            name = ".".join(f"b{row[n]}" if n == "batch" else str(row[n]) for n in ROW_NAMES if row.get(n) is not None)
+            out.update(flatten(row, f"{prefix}.{name or i}"))
+    return {k: v for k, v in out.items() if v == v}  # NaN: not a figure
+
+
+def collect(name: str, command: str, runs: list[Path]) -> dict:
+    """The result `name` from the summary.json of each run folder."""
+    summaries = []
+    for run in runs:
+        path = Path(run) / "summary.json"
+        if not path.is_file():
+            raise ValueError(f"{run} holds no summary.json (a finished run's folder is needed)")
+        summaries.append(json.loads(path.read_text()))
+    flat = [flatten({k: v for k, v in s.items() if k != "machine"}) for s in summaries]
+    keys = sorted(set().union(*flat))
+    result = {"result": name, "command": command,
+              "runs": [{"folder": str(run), "seed": s.get("seed"), "date": s.get("machine", {}).get("date"),
+                        "code_version": s.get("machine", {}).get("code_version"),
+                        "machine": {k: v for k, v in s.get("machine", {}).items() if k not in ("date", "code_version")}}
+                       for run, s in zip(runs, summaries)],
+              "median": {}, "min": {}, "max": {}, "n": {}}
+    for k in keys:
+        values = [f[k] for f in flat if k in f]
+        result["median"][k] = statistics.median(values)
+        result["min"][k], result["max"][k], result["n"][k] = min(values), max(values), len(values)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.results", description=__doc__.split("\n\n")[0])
+    p.add_argument("name", help="the result's name: docs/results/NAME.json")
+    p.add_argument("runs", nargs="+", type=Path, help="the run folders (each with its summary.json)")
+    p.add_argument("--command", required=True, help="the command that made each run")
+    p.add_argument("--out-dir", type=Path, default=Path("docs/results"), help="where NAME.json is written")
+    args = p.parse_args(argv)
+    try:
+        result = collect(args.name, args.command, args.runs)
+    except ValueError as e:
+        print(f"experiments.results: {e}", file=sys.stderr)
+        return 2
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / f"{args.name}.json"
+    out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+    print(f"{out}: {len(result['median'])} figures over {len(args.runs)} runs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""Speculate or not, per rollout, from the measured speed of whole rollouts (`RunChoice`).
+
+The co-trainer owns it (specrl.cotrain.SpecCoTrainer): at the start of each RL step it switches
+the engine's speculation on or off as the choice says (`set_speculation`), and it reports each
+rollout's figures (rollout.protocol.RolloutStats) back. The engines know nothing of it.
+"""
+from __future__ import annotations
+
+import statistics
+
+
+class RunChoice:
+    """Speculate or not, per rollout, from the measured tokens per second of whole rollouts.
+
+    Why whole rollouts. The per-step controller decides from estimates of single engine steps,
+    and near break-even those are off by more than its margin (docs/results.md, the RL step on
+    the 4-layer models); a rollout's tokens per second is what the run pays. An engine that
+    cannot switch its drafter off step by step (vLLM) has only this choice.
+
+    Terms. A *block* is a run of rollouts played with one arm ("spec" or "plain"); its first
+    `warmup` rollouts are played, not timed, its next `rollouts` are timed. The first two
+    blocks time speculation, then plain decoding; speculation is kept iff the median tokens per
+    second of its timed rollouts is at least `margin` times plain's. Tokens per second, not
+    seconds per rollout: rollouts hold different prompts. `rewarm`: every block starts with a
+    warm-up (a restarted engine's first rollouts run slower); else only the first does.
+
+    `sure`: where the engine estimates each speculating rollout's saving (the embedded engine's
+    controller does) and every timed one is estimated at least `sure` times faster than plain,
+    speculation is kept without a plain block: an estimate errs by less than that.
+
+    `recheck` > 0: the arm not chosen is timed again (one block) `recheck` rollouts after a
+    choice, and each re-check that leaves the choice as it was doubles the wait, up to BACKOFF
+    times: the policy and the draft drift. Without it the first choice is final.
+
+    The owner asks `arm()` before each rollout and reports the rollout with `record`."""
+
+    BACKOFF = 8
+
+    def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05, recheck: int = 0,
+                 sure: float | None = None, rewarm: bool = True):
+        if rollouts < 1 or warmup < 0 or recheck < 0:
+            raise ValueError(f"RunChoice needs rollouts >= 1, warmup >= 0 and recheck >= 0, got {rollouts}, "
+                             f"{warmup}, {recheck}")
+        self.rollouts, self.warmup, self.margin = int(rollouts), int(warmup), float(margin)
+        self.recheck, self.sure, self.rewarm = int(recheck), sure, bool(rewarm)
+        self.rates: dict[str, list[float]] = {"spec": [], "plain": []}  # the last `rollouts` timed calls per arm
+        self.estimated: list[float] = []  # the engine's speed-up estimates of the last timed speculating calls
+        self.calls = 0
+        self.speculate: bool | None = None  # the choice, once both arms are timed (or the estimate is sure)
+        self.chosen_speedup: float | None = None  # speedup() when the choice was last made
+        # the calls still to time, in order: (arm, timed); a warm-up call is played, not timed
+        self.queue = self._block("spec", self.warmup) + self._block("plain", self.warmup if self.rewarm else 0)
+        self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
+
+    def _block(self, arm: str, warmup: int) -> list:
+        return [(arm, False)] * warmup + [(arm, True)] * self.rollouts
+
+    def arm(self) -> str:
+        """"spec" or "plain": how the next generate() call decodes."""
+        if self.queue:
+            return self.queue[0][0]
+        return "spec" if self.speculate else "plain"
+
+    def record(self, arm: str, tokens: int, seconds: float, est_saved_s: float | None = None) -> None:
+        """A generate() call decoded as `arm` emitted `tokens` in `seconds`; `est_saved_s`: the
+        engine's estimate of the seconds speculation saved in it (None: not estimated)."""
+        self.calls += 1
+        timing = bool(self.queue)
+        timed = self.queue.pop(0)[1] if timing else True
+        if timed and seconds > 0:
+            self.rates[arm] = (self.rates[arm] + [tokens / seconds])[-self.rollouts:]
+            if arm == "spec":
+                est = None if est_saved_s is None else (seconds + est_saved_s) / seconds
+                self.estimated = (self.estimated + [est])[-self.rollouts:]
+        if timing:
+            if self.queue and self.queue[0][0] == "plain" and self._sure():
+                self.queue = []  # speculation estimated well above plain: nothing to time against
+            if not self.queue:
+                self._choose()
+            return
+        self.since += 1
+        if self.recheck and self.since >= self.interval:
+            self.since = 0
+            if self.speculate and self._sure():  # still far above plain: no block of plain calls
+                self.interval = min(2 * self.interval, self.BACKOFF * self.recheck)
+                return
+            self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+
+    def _sure(self) -> bool:
+        e = self.estimated
+        return (self.sure is not None and len(e) == self.rollouts
+                and all(x is not None and x >= self.sure for x in e))
+
+    def _choose(self) -> None:
+        speedup = self.speedup()
+        choice = self._sure() if speedup is None else speedup >= self.margin  # measured, where it is
+        if self.speculate is not None:  # a re-check: one that changes nothing doubles the wait
+            same = choice == self.speculate
+            self.interval = min(2 * self.interval, self.BACKOFF * self.recheck) if same else self.recheck
+        self.speculate, self.chosen_speedup, self.since = choice, speedup, 0
+
+    def speedup(self) -> float | None:
+        """Median speculating over median plain tokens per second (None until both are timed)."""
+        if not self.rates["spec"] or not self.rates["plain"]:
+            return None
+        return statistics.median(self.rates["spec"]) / statistics.median(self.rates["plain"])
+
+    def saved_s(self, tokens: int, seconds: float) -> float | None:
+        """A decided call's estimated saving: the time plain decoding takes for its tokens at the
+        measured rate, less its own (0 once plain decoding is chosen; None before the choice, or
+        without a plain rate)."""
+        if self.speculate is None:
+            return None
+        if not self.speculate:
+            return 0.0
+        if not self.rates["plain"]:
+            return None
+        return tokens / statistics.median(self.rates["plain"]) - seconds
+
+    def summary(self) -> dict:
+        return {"speculate": self.speculate, "speedup": self.chosen_speedup, "rollouts": self.rollouts,
+                "warmup": self.warmup, "calls": self.calls, "tokens_per_s": {k: list(v) for k, v in self.rates.items()},
+                "estimated_speedup": list(self.estimated)}
+
+    def state_dict(self) -> dict:
+        # rollouts, warmup, margin, recheck, sure and rewarm come from the config
+        return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
+                "chosen_speedup": self.chosen_speedup, "estimated": list(self.estimated),
+                "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls, self.speculate = int(state["calls"]), state["speculate"]
+        self.rates = {k: [float(x) for x in v] for k, v in state["rates"].items()}
+        self.estimated = list(state.get("estimated", []))
+        self.chosen_speedup = state.get("chosen_speedup", self.speedup() if self.speculate is not None else None)
+        if "queue" in state:
+            self.queue = [(str(a), bool(t)) for a, t in state["queue"]]
+        elif self.speculate is not None:  # a saved state without a queue, decided: the choice is final
+            self.queue = []
+        else:  # a saved state without a queue, still timing: time both blocks again
+            self.rates = {"spec": [], "plain": []}
+        self.since, self.interval = int(state.get("since", 0)), int(state.get("interval", self.recheck))
+
+
+def choice_history(rows) -> dict | None:
+    """An RL run's per-rollout choice, from its metric rows (`rollout/spec_run_choice`: 1, 0, or
+    None while its first rollouts are timed): the choice at the end, the speed-up it was made on,
+    the step it was first made and the steps where a re-check changed it. None for a run without
+    a choice per rollout."""
+    rows = [r for r in rows if "rollout/spec_run_choice" in r]
+    if not rows:
+        return None
+    decided = [r for r in rows if r["rollout/spec_run_choice"] is not None]
+    return {"speculate": bool(decided[-1]["rollout/spec_run_choice"]) if decided else None,
+            "speedup": decided[-1].get("rollout/spec_run_speedup") if decided else None,
+            "decided_at_step": decided[0]["step"] if decided else None,
+            "changed_at_steps": [r["step"] for p, r in zip(decided, decided[1:])
+                                 if r["rollout/spec_run_choice"] != p["rollout/spec_run_choice"]]}
+
+
+def describe(history: dict | None) -> str:
+    """A run choice's history (`choice_history`) in words; '' for a run without one."""
+    if not history:
+        return ""
+    if history["speculate"] is None:
+        return "speculation for the run not decided yet (its first rollouts are timed)"
+    changes = history.get("changed_at_steps") or []
+    first = history["speculate"] if len(changes) % 2 == 0 else not history["speculate"]  # each change flips it
+    line = f"speculation for the run {'kept' if first else 'switched off'} at step {history['decided_at_step']}"
+    if changes:
+        line += f", changed at steps {changes}, {'on' if history['speculate'] else 'off'} at the end"
+    speedup = history.get("speedup")
+    timed = f"x{speedup:.3f}" if speedup is not None else "not timed: the estimate was sure"
+    return f"{line} (speculating over plain, tokens/s: {timed})"
