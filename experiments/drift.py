@@ -76,7 +76,7 @@ from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
-from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset, adaptive_spec
+from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset, reproducible
 from specrl.rl_setup import encode_prompts, rollout_params
 from specrl.train_rl import RLCallback, RLRun, train_rl
 from target_training.config import require_positive
@@ -143,22 +143,22 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
                                         cotrain=dataclasses.replace(DRIFT_COTRAIN_FIXED, max_draft_steps=2)),
                            eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
                            reference_every=1),
-    # The drift experiment asks whether the online draft can follow the policy, so its co-training is
-    # unpriced (DRIFT_COTRAIN): the RL preset `drift` prices draft updates by the rollout time they save
-    # (presets.SAVING_SHARE), and on this small model they save too little to buy them; `specrl bench rl
-    # --preset drift --arms off,frozen,online,online-unpriced` measures both.
-    "quick": DriftPreset(rl=_drift_rl("drift", cotrain=DRIFT_COTRAIN), eval_every=20, timing_repeats=3, final_timing_repeats=6,
-                         reference_every=1),
+    # The drift experiment asks whether the online draft can follow the policy: its co-training is
+    # unpriced, and every decision is fixed at the start (presets.reproducible), so two runs with one
+    # seed train the same online draft; only the speeds follow the machine.
+    "quick": DriftPreset(rl=_drift_rl("drift", cotrain=reproducible(DRIFT_COTRAIN)), eval_every=20, timing_repeats=3,
+                         final_timing_repeats=6, reference_every=1),
     # The real model (SmolLM2-135M-Instruct on word problems, RL preset "real"): about 40 minutes on 2 cores,
     # most of it policy updates of a 135M model. 16 answers per step (4 prompts x 4) and a learning rate
     # five times the RL preset's, so that 12 steps move the policy enough to ask whether the draft
     # follows; the reference draft is retrained at the end only (one offline training is about 9 minutes).
     "real": DriftPreset(rl=_drift_rl("real", rl_steps=12, prompts_per_step=4,
                                      grpo=dataclasses.replace(RL_PRESETS["real"].grpo, lr=1e-5),
-                                     cotrain=dataclasses.replace(DRIFT_COTRAIN, **adaptive_spec(SpecConfig(mode="chain", gamma=4)))),
+                                     cotrain=reproducible(dataclasses.replace(DRIFT_COTRAIN, spec=SpecConfig(mode="chain",
+                                                                                                          gamma=4)))),
                         eval_every=6, eval_prompts=16, eval_batch=8, timing_repeats=1, speed_batches=(1, 8)),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
-                                     cotrain=DRIFT_COTRAIN), eval_every=30, eval_prompts=64, eval_batch=64,
+                                     cotrain=reproducible(DRIFT_COTRAIN)), eval_every=30, eval_prompts=64, eval_batch=64,
                       reference_every=1, deep_target="speed"),
 }
 

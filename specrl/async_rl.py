@@ -84,9 +84,7 @@ class AsyncConfig:
     concurrent_groups: int = 0  # AReaL's max_concurrent_rollouts in groups (0: (η + 1) x groups per step)
     # where the draft trains (specrl.scheduler): "wait", while the trainer waits for its next batch,
     # and/or "between", after the policy update, on the trainer's path (it delays the next update
-    # and the next weights). `specrl drift --async-staleness` on the quick drift model, 40 steps:
-    # "between" made the loop's step x1.44 / x1.48 of the frozen draft's at η = 1 / 4, "wait" x1.00 /
-    # x0.95, the online draft ahead of the frozen one in both (docs/results.md)
+    # and the next weights, so it lengthens the loop's step)
     draft_windows: tuple[str, ...] = ("wait",)
     # the decoupled PPO weight on stale rollouts (GRPOConfig.behaviour_weight_cap; AReaL's former
     # default cap is 5.0); None: the preset's objective, clipped against recomputed log-probs only

@@ -40,13 +40,11 @@ def reproducible(cotrain: CoTrainConfig) -> CoTrainConfig:
 
 # Share of the rollout time speculation saves that draft training may spend (DraftBudgetConfig.saving_share):
 # the RL presets' default, so online co-training costs at most 15% of what speculation saves at its best and
-# the rest is the user's. Where a fresh draft saves nothing at the RL batch (the `quick` model on this CPU,
-# whose draft step costs a quarter of a target step), the online draft trains almost never.
+# the rest is the user's; where speculation saves nothing, the online draft trains almost never.
 SAVING_SHARE = 0.15
 # Priced updates come few and far between, and a fresh AdamW's first steps move every weight by about
-# the learning rate: on `drift` (bench rl, 40 steps) nine priced updates without a warm-up left the
-# online draft below the frozen one (accept length at the chain 3.26 against 3.44). So priced
-# co-training warms its learning rate up over this many updates.
+# the learning rate, which can leave a few updates worse than none: priced co-training warms its
+# learning rate up over this many updates.
 PRICED_WARMUP = 10
 
 
@@ -99,45 +97,21 @@ class RunPreset:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
-# Co-training of the drift runs. Draft updates per RL step (24 sequences, 4 TTT steps each) follow
-# acceptance (specrl/draft_budget.py, rule "acceptance"): four while acceptance holds, up to 10 while
-# it falls below its best (80 extra updates per unit of relative deficit), none once steady.
-# Four, not the two tuned below: the acceptance the budget reads comes from the rollout's speculative
-# steps, and since the controller models chain times instead of measuring every chain it speculates
-# in about 30 steps per rollout of the drift run instead of 5-12, so the signal is steadier, falls
-# below its best less often, and two per step left the online draft behind (283 updates in 100
-# steps against 503 before, online / reference 0.905 at step 80; same machine, same seed).
-# Training samples come from the last 2 policy versions. Tuned on the first 20 steps of the quick
-# drift run, where the policy moves fastest (KL 0.289 at step 20; 2-core CPU, one run each; online
-# accept length over the reference retrained at step 20):
-#   the earlier preset (12 sequences, cap 6, base 1, gain 40, last 4 versions)   0.868
-#   lr 3e-3 0.889; warm-up of 10 updates 0.889; 24 sequences 0.909; last 2 versions 0.920;
-#   last version only 0.849; cap 10, base 2, gain 80 0.924; with 24 sequences and last 3 versions 0.955,
-#   last 2 versions 0.973 (this preset), plus a 10-update warm-up 0.949;
-#   a fixed 12 updates of 24 sequences per step 1.028, at twice the RL step's time.
-# The time budget is left wide (min_budget_s) so the rule's count alone decides and a run is
-# reproducible: at budget_fraction 1.0 alone, 10 updates of 24 sequences could outrun one RL step's
-# time on a slow machine and be cut (a fresh-clone run of commit de9a7b5 got 8 where 10 were asked).
-# So tracking the fastest policy moves is a matter of draft compute: what this costs is
-# `draft_added_fraction` in the drift summary (README).
-# Chains of 6 drafts: as fast as 5 for a fresh draft on the 2-core CPU (x1.21 vs x1.22), and the
-# positions a stale draft wastes show in the speed-up.
+# Co-training of the drift runs: updates per RL step follow acceptance (specrl/draft_budget.py, rule
+# "acceptance": four while it holds, up to ten while it falls below its best, none once steady), on
+# samples of the last two policy versions, with chains of 6. The time budget is left wide so the
+# rule's count alone decides; what the updates cost is the drift summary's `draft_added_fraction`.
 DRIFT_COTRAIN = CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6)), feature_source="trainer",
                               max_draft_steps=10,
                               recent_versions=2, online=OnlineDraftConfig(lr=2e-3, batch_size=24),
                               scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
                                                         draft_steps=DraftBudgetConfig(rule="acceptance", base_steps=4,
                                                                                       deficit_gain=80.0)))
-# A scheduler whose count of updates alone decides: the time budget is left wide (min_budget_s), so
-# a busy spell of the machine cannot cut an update and two runs with one seed train alike.
+# A scheduler whose count of updates alone decides: the time budget is left wide, so a busy spell of
+# the machine cannot cut an update and two runs with one seed train alike.
 COUNTED_SCHEDULER = SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",))
-# The same with one update of 12 sequences per RL step at lr 1e-3, a count that never varies, and the chain
-# at every engine step: the CI-sized drift runs (reproducible) and `specrl bench overlap` (the cost of one
-# update, in both scheduler modes). Before it took COUNTED_SCHEDULER its budget was the RL step's own time,
-# and a clean-clone CI run, with the lane installs beside it, trained a different number of updates in two
-# same-seed drift runs. The adaptive controller is off here for the same reason: it decides from measured
-# step times, so the rollout steps that speculate, and the acceptance an acceptance-driven budget reads from
-# them, follow the machine's load (the tokens do not: speculation is lossless either way).
+# One update of 12 sequences per RL step, every decision fixed at the start: the CI-sized drift runs and
+# `specrl bench overlap` (the cost of one update, in both scheduler modes).
 DRIFT_COTRAIN_FIXED = reproducible(dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, scheduler=COUNTED_SCHEDULER,
                                                        online=OnlineDraftConfig(lr=1e-3, batch_size=12)))
 
@@ -145,11 +119,8 @@ DRIFT_COTRAIN_FIXED = reproducible(dataclasses.replace(DRIFT_COTRAIN, max_draft_
 def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
     """Co-training that makes exactly `updates_per_step` draft updates per RL step (once the buffer
     holds min_buffer_records records, i.e. from the first step on), in the window after the policy
-    update. A count rather than a time share: with the old 5% budget the draft of a `ci` run
-    trained almost never (version 1 after 60 steps), and a time budget makes two runs, or a run and
-    its resume, train different numbers of steps. The time budget is left wide (min_budget_s) so
-    the count alone decides; the drift experiment measures what such updates cost (about 5% per
-    update of the RL step of the `quick` model on the 2-core CPU)."""
+    update, every decision fixed at the start (`reproducible`): a time share would make two runs,
+    or a run and its resume, train different numbers of steps."""
     return reproducible(CoTrainConfig(spec=SpecConfig(mode="chain", gamma=4), max_draft_steps=updates_per_step,
                                       scheduler=COUNTED_SCHEDULER))
 
@@ -202,14 +173,9 @@ RL_PRESETS: dict[str, RunPreset] = {
                        max_new_tokens=64, eval_prompts=64, eval_samples=2, checkpoint_every=10, max_batch=64,
                        task_kwargs={"format_bonus": 1.0, "bonus_rule": "format", "rare_weight": 0.05},
                        cotrain=priced(DRIFT_COTRAIN)),
-    # The speed benchmarks' deeper target (12 layers, draft/target cost ratio c of a few percent):
-    # a short SFT keeps its cached warm start to a few minutes on 2 cores. Its offline draft trains
-    # 2400 steps (about 4 minutes, cached): with the default 300 its greedy accept length at chains
-    # of 4 was 3.22 (alpha 0.55), with 1200 steps 3.62, with 2400 steps 3.87; 3000 steps on 2048
-    # rollouts gave no more (3.74), so the draft's training, not its data, was what held it back.
-    # Its chains are 6 long: a draft step costs 7-8% of a target step here, so a longer chain pays
-    # (`specrl bench speed --preset speed`, greedy, at batch 1 / 4 / 16 on 2026-11-24: chains of 4
-    # x1.83 / x1.76 / x1.96, of 5 x2.04 / x1.86 / x2.04, of 6 x2.07 / x2.01 / x2.05; README).
+    # The speed benchmarks' deeper target (12 layers, a draft step a few percent of a target step): its
+    # offline draft trains longer than the default (the draft's training, not its data, limited its
+    # acceptance), and its chains are 6 long, since a cheap draft step makes a longer chain pay.
     "speed": RunPreset(model="speed", sft=SFTConfig(steps=300, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=60, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,

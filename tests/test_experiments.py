@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments.drift import TIMING_FIELDS, DriftError, deterministic_part, get_drift_preset, run_drift
+from experiments.drift import DRIFT_PRESETS, TIMING_FIELDS, DriftError, deterministic_part, get_drift_preset, run_drift
 from specrl.cli import main
 
 REQUIRED = ("tau_start", "tau_frozen_end", "tau_online_end", "tau_reference_end", "speedup_frozen_end",
@@ -157,6 +157,17 @@ def test_speed_sweep(sft_policy, tmp_path):
         assert r["draft_step_s"] / r["target_step_s"] == pytest.approx(r["c"], rel=1e-4)
     for name in ("speedup_vs_gamma.png", "speedup_vs_tree_budget.png", "speedup_vs_batch.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("name", sorted(DRIFT_PRESETS))
+def test_every_drift_preset_fixes_its_decisions_at_the_start(name):
+    """The drift experiment's co-training decides nothing from measured times (the same seed gives
+    the same online draft, test_drift_same_seed_same_summary on `ci`): the chain at every step, a
+    wide time budget for a count of updates, no pricing. An adaptive controller or a time share
+    would make the online draft follow the machine's load."""
+    cot = get_drift_preset(name).rl.cotrain
+    assert cot.adaptive is False and cot.scheduler.draft_steps.saving_share is None
+    assert cot.scheduler.min_budget_s >= 3600 and cot.scheduler.windows == ("between",)
 
 
 def test_full_and_quick_presets_track_the_reference_at_every_point():
