@@ -22,9 +22,13 @@ from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_param
 from target_training.sft import default_cache_dir
 
 
+CODE = ("specrl", "rollout", "draft_models", "target_training", "experiments", "pyproject.toml")  # what a figure ran
+
+
 def code_version() -> str:
-    """The code a figure ran on: this checkout's git commit ("+changes" where the working tree
-    differs from it), or the installed package's version outside a git checkout."""
+    """The code a figure ran on: this checkout's git commit ("+changes" where the working tree's
+    code differs from it; docs and tests do not count), or the installed package's version
+    outside a git checkout."""
     root = Path(__file__).resolve().parents[2]
 
     def git(*args) -> str:
@@ -32,7 +36,8 @@ def code_version() -> str:
                               check=True).stdout.strip()
 
     try:
-        return git("rev-parse", "--short=10", "HEAD") + ("+changes" if git("status", "--porcelain", "-uno") else "")
+        changed = git("status", "--porcelain", "-uno", "--", *CODE)
+        return git("rev-parse", "--short=10", "HEAD") + ("+changes" if changed else "")
     except (OSError, subprocess.SubprocessError):
         from importlib.metadata import version
 
