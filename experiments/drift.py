@@ -474,6 +474,9 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "tau_frozen_end": at(last_step, "frozen", "accept_length"),
         "tau_online_end": at(last_step, "online", "accept_length"),
         "tau_reference_end": at(last_step, "reference", "accept_length"),
+        # how much of its starting acceptance each draft keeps as the policy moves
+        "frozen_end_over_start": at(last_step, "frozen", "accept_length") / at(0, "frozen", "accept_length"),
+        "online_end_over_start": at(last_step, "online", "accept_length") / at(0, "online", "accept_length"),
         # the online draft's accept length over the reference's, worst evaluation point (per point in metrics.jsonl)
         "online_over_reference_min": min(ratios, default=None),
         "reference_steps": sorted(r["step"] for r in rows if r["arm"] == "reference"),

@@ -174,3 +174,28 @@ def break_draft(engine, monkeypatch, message: str = "draft forward failed", once
         draft.forward = broken
     else:
         monkeypatch.setattr(draft, "forward", broken)
+
+
+class PerRunEngine:
+    """A stand-in DraftReceiver with vLLM's capabilities (no step policy; a switch is a restart)
+    that records what the co-trainer asks of it: the drafter it installs and every switch."""
+
+    from rollout.protocol import EngineCapabilities
+
+    capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
+    draft_version, draft_faults, speculating = 0, [], True
+
+    def __init__(self):
+        self.installed, self.switched = None, []
+
+    def set_speculation(self, on):
+        self.switched.append(on)
+
+    def install_draft(self, drafter, policy=None):
+        self.installed = (drafter, policy)
+
+    def push_draft(self, weights, version):
+        pass
+
+    def draft_weights(self):
+        return {}, 0

@@ -221,3 +221,22 @@ def test_a_run_choice_is_reported_with_the_step_it_was_made():
     assert any("switched off at step 1, changed at steps [2], on at the end" in x and "not timed" in x for x in lines)
     pending = summarize({"off": rows["off"], "frozen": [row(i) for i in range(4)]}, [(0, 4)], warmup=1)
     assert pending["arms"]["frozen"]["run_choice"]["speculate"] is None
+
+
+def test_the_closing_summary_says_when_speculation_was_switched_off(tmp_path):
+    """What a finished `bench rl` and `train-rl` print last says when the run choice switched
+    speculation off, and bench rl's gives the ratio over every step (restarts and timed rollouts
+    included) beside the median one."""
+    from experiments.bench.rl import headline, summarize
+    from specrl.cli import _train_rl_headline
+    from specrl.run_choice import choice_history
+
+    off = [{"step": i, "step_s": 1.0, "rollout_s": 0.5, "perf/update_s": 0.4} for i in range(4)]
+    arm = [{**r, "step_s": 2.0 if r["step"] < 2 else 1.0, "rollout/spec_run_choice": None if r["step"] < 2 else 0,
+            "rollout/spec_run_speedup": 0.9} for r in off]
+    s = summarize({"off": off, "frozen": arm}, [(0, 4)], warmup=1)
+    (_, line), = [h for h in headline({"engines": {"vllm": s}}) if h[0] == "vllm frozen"]
+    assert "step x1.00 (every step x0.75)" in line and "switched off at step 2" in line, line
+    summary = {"reward_start": 0.1, "reward_end": 0.2, "greedy_accuracy_start": 0.3, "greedy_accuracy_end": 0.4,
+               "rl_steps": 4, "wall_s": 9.0, "run_choice": choice_history(arm)}
+    assert any(k == "speculation" and "switched off at step 2" in v for k, v in _train_rl_headline(summary))

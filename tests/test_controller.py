@@ -5,6 +5,7 @@ import random
 
 import pytest
 
+from helpers import PerRunEngine
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController, _StepTime, alpha_from_ratio, expected_accept_length
 
@@ -456,36 +457,17 @@ def test_an_engine_without_a_step_controller_gets_the_run_choice():
     from specrl.cotrain import SpecCoTrainer
     from specrl.run_choice import RunChoice
 
-    class Engine:
-        capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
-        draft_version, speculating = 0, True
-        draft_faults: list = []
-
-        def __init__(self):
-            self.installed = None
-
-        def set_speculation(self, on):
-            pass
-
-        def install_draft(self, drafter, policy=None):
-            self.installed = (drafter, policy)
-
-        def push_draft(self, weights, version):
-            pass
-
-        def draft_weights(self):
-            return {}, 0
-
-    assert isinstance(Engine(), DraftReceiver)
+    assert isinstance(PerRunEngine(), DraftReceiver)
     cfg = CoTrainConfig(mode="frozen", adaptive=True, controller=ControllerConfig(run_rollouts=4, run_warmup=2))
-    engine = Engine()
+    engine = PerRunEngine()
     co = SpecCoTrainer(object(), cfg).attach(engine)
     assert isinstance(co.run_choice, RunChoice)
     assert (co.run_choice.rollouts, co.run_choice.warmup) == (4, 2) and engine.installed[1] is None and co.controller is None
-    Engine.capabilities = EngineCapabilities(drafters=("eagle3",))  # no switch
+    no_switch = PerRunEngine()
+    no_switch.capabilities = EngineCapabilities(drafters=("eagle3",))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        co = SpecCoTrainer(object(), cfg).attach(Engine())
+        co = SpecCoTrainer(object(), cfg).attach(no_switch)
     assert co.run_choice is None and any("takes no per-step controller" in str(w.message) for w in caught)
 
 

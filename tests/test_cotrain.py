@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import engine_draft
+from helpers import PerRunEngine, engine_draft
 from rollout.drafters import SpecConfig
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
@@ -360,31 +360,12 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
 
     import torch
 
-    from rollout.protocol import EngineCapabilities, Rollout, RolloutStats
+    from rollout.protocol import Rollout, RolloutStats
     from specrl.config import CoTrainConfig, DraftTrainConfig
     from specrl.cotrain import SpecCoTrainer
     from specrl.drafts import new_draft
     from specrl.presets import priced
     from specrl.run_choice import RunChoice
-
-    class Engine:  # what the co-trainer reads of a per-run engine (rollout.vllm_engine.VLLMEngine)
-        capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
-        draft_version, draft_faults, speculating = 0, [], True
-
-        def __init__(self):
-            self.switched = []
-
-        def set_speculation(self, on):
-            self.switched.append(on)
-
-        def install_draft(self, drafter, policy=None):
-            pass
-
-        def push_draft(self, weights, version):
-            pass
-
-        def draft_weights(self):
-            return {}, 0
 
     class Trainer:
         def __init__(self):
@@ -394,7 +375,7 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
             self.hooks.append(hook)
 
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
-    engine, trainer = Engine(), Trainer()
+    engine, trainer = PerRunEngine(), Trainer()
     cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(engine, trainer)
     assert isinstance(cot.run_choice, RunChoice) and len(trainer.hooks) == 1
     ids = torch.randint(3, 64, (2, 12))
@@ -460,29 +441,13 @@ def test_the_run_choice_times_the_rollout_without_the_draft_training_in_its_tail
     estimates for the priced budget."""
     from types import SimpleNamespace
 
-    from rollout.protocol import EngineCapabilities, Rollout, RolloutStats
+    from rollout.protocol import Rollout, RolloutStats
     from specrl.config import CoTrainConfig, DraftTrainConfig
     from specrl.drafts import new_draft
     from specrl.presets import priced
 
-    class Engine:  # a per-run engine (vLLM's capabilities): the co-trainer estimates the saving itself
-        capabilities = EngineCapabilities(drafters=("eagle3",), switch="restart")
-        draft_version, draft_faults, speculating = 0, [], True
-
-        def set_speculation(self, on):
-            pass
-
-        def install_draft(self, drafter, policy=None):
-            pass
-
-        def push_draft(self, weights, version):
-            pass
-
-        def draft_weights(self):
-            return {}, 0
-
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
-    cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(Engine())
+    cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(PerRunEngine())
     choice = cot.run_choice
     for arm in ["spec"] * 6 + ["plain"] * 6:  # 3 warm-up and 3 timed rollouts per block
         cot.begin_step()
