@@ -5,7 +5,7 @@ their spread, written as the JSON docs/results/ keeps (summaries, not run folder
 
 Each RUN_DIR holds a command's summary.json (`specrl bench rl`, `specrl drift`, `specrl bench
 speed`, ...). Its numbers are read as flat keys: nested dicts by name, a list of rows by what
-names a row (its batch, arm, mode, step), e.g. `engines.embedded.arms.online.step_speedup` or
+names a row (its batch, arm, mode, step, dtype, ...), e.g. `engines.embedded.arms.online.step_speedup` or
 `rows.b16.chain.speedup`; lists of plain numbers (curves) are left out. A key's median, min and
 max are over the runs that have it. The result keeps, per run, its seed, date and code version,
 so the page that quotes it need not.
@@ -18,7 +18,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROW_NAMES = ("batch", "arm", "mode", "gamma", "step")  # what identifies a row in a summary's lists
+ROW_NAMES = ("batch", "arm", "mode", "gamma", "step", "dtype", "decoding", "spec")  # what identifies a row in a list
 
 
 def flatten(obj, prefix: str = "") -> dict[str, float]:
@@ -33,7 +33,8 @@ def flatten(obj, prefix: str = "") -> dict[str, float]:
             out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
     elif isinstance(obj, list) and obj and all(isinstance(r, dict) for r in obj):
         for i, row in enumerate(obj):
-            name = ".".join(f"b{row[n]}" if n == "batch" else str(row[n]) for n in ROW_NAMES if row.get(n) is not None)
+            name = ".".join(f"b{row[n]}" if n == "batch" else str(row[n]) for n in ROW_NAMES
+                            if isinstance(row.get(n), (str, int, float)) and not isinstance(row.get(n), bool))
             out.update(flatten(row, f"{prefix}.{name or i}"))
     return {k: v for k, v in out.items() if v == v}  # NaN: not a figure
 

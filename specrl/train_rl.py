@@ -46,8 +46,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     for cb in callbacks:
         cb.on_start(run)
 
-    bar = tqdm(range(start_step, preset.rl_steps), desc="grpo", disable=not progress, initial=start_step,
-               total=preset.rl_steps)
+    bar = step_bar(start_step, preset.rl_steps, progress)
     for step in bar:
         row = rl_step(run, step)
         bar.set_postfix(reward=f"{row['reward']:.2f}", len=f"{row['response_len']:.0f}")
@@ -72,6 +71,14 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     log(f"[rl] held-out reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f} "
         f"({summary['wall_s']:.0f}s)")
     return summary
+
+
+def step_bar(start_step: int, total: int, progress) -> tqdm:
+    """The RL steps' progress bar. Its time left is the mean time per step so far: a step whose
+    callbacks also evaluate (the drift experiment's points) would throw an estimate from the last
+    steps (tqdm's default smoothing) far off for the steps after it."""
+    return tqdm(range(start_step, total), desc="grpo", disable=not progress, initial=start_step, total=total,
+                smoothing=0)
 
 
 def rl_step(run: RLRun, step: int) -> dict:

@@ -38,3 +38,14 @@ def test_offline_training_is_silent_by_default(sft_policy, capsys):
     data = capture_features(policy, prompts, None, batch_size=8, d2t=draft.d2t)
     assert len(train_offline(draft, data, steps=2, lr=1e-3, batch_size=4)) == 2
     assert capsys.readouterr().err == ""
+
+
+def test_the_rl_steps_time_left_is_the_mean_step_so_far():
+    """A drift run evaluates every 20 steps inside a step's callbacks: with an estimate from the
+    last few steps (tqdm's default smoothing) the bar jumped to several times the run's length
+    after each evaluation; the mean time per step so far counts the evaluations once each."""
+    from specrl.train_rl import step_bar
+
+    bar = step_bar(3, 100, progress=True)  # on stderr, which pytest captures
+    assert bar.smoothing == 0 and bar.n == 3 and bar.total == 100
+    bar.close()

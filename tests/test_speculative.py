@@ -503,7 +503,7 @@ def test_every_cache_block_gets_its_exact_key_length_from_the_host(sft_policy, o
     assert len(seen) > 20
 
 
-# ---- the context end: pending features of slots at very different depths (issue 14) -------------
+# ---- the context end: pending features of slots at very different depths ----------------------------
 def _context_end_setup(tiny_model, lengths, seed=1):
     from specrl.config import DraftTrainConfig
     from specrl.drafts import new_draft
