@@ -156,7 +156,7 @@ def test_vllm_reads_the_exported_tap_layers(setup, spec):
     draft = setup[3]
     assert GPUModelRunner._get_eagle3_aux_layers_from_config(ns) == tuple(i + 1 for i in draft.cfg.aux_layer_ids)
     prompts = _prompts(setup, 48, seed=3)
-    embedded = EmbeddedEngine(setup[2], EngineConfig(max_batch=16), DrafterSpec(drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=GAMMA))))
+    embedded = EmbeddedEngine(setup[2], EngineConfig(max_batch=16), drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=GAMMA)))
     ours = summarize_spec_stats(t.spec for t in embedded.generate(prompts, _greedy(setup)))
     theirs = summarize_spec_stats(t.spec for t in spec.generate(prompts, _greedy(setup)))
     print(f"accept length: specrl engine {ours['accept_length']:.4f}, vLLM {theirs['accept_length']:.4f}")
@@ -548,7 +548,7 @@ if __name__ == "__main__":
     if sys.argv[2] == "no-watch":  # only the driver's own signal handling stops vLLM
         ve._watch_driver_in_worker = lambda worker, driver_pid: {"watching": False}
     policy, draft = torch.load(sys.argv[1], weights_only=False)
-    engine = ve.VLLMEngine(policy, ve.VLLMEngineConfig(max_batch=4), drafter=DrafterSpec(drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=3))))
+    engine = ve.VLLMEngine(policy, ve.VLLMEngineConfig(max_batch=4), drafter=DrafterSpec(draft=draft, spec=SpecConfig(gamma=3)))
     engine.generate([[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=8))
     print("driver ready; watch:", engine.driver_watch, flush=True)
     time.sleep(600)

@@ -76,7 +76,7 @@ def test_drift_on_vllm_runs_its_arms_on_vllm(tmp_path):
 
 def test_drift_on_vllm_under_a_run_choice_evaluates_every_draft_speculating(tmp_path):
     """`specrl drift --engine vllm` with an adaptive co-trainer whose run choice keeps plain decoding
-    (a margin no speculation reaches: decided after one timed rollout of each arm): the evaluation
+    (a margin no speculation reaches: decided after one warm-up and one timed rollout of each arm): the evaluation
     points still time every draft arm speculating, the RL rollouts after the choice decode plainly,
     and the evaluations never reach the choice (it counts the RL rollouts only)."""
     import dataclasses
@@ -86,19 +86,20 @@ def test_drift_on_vllm_under_a_run_choice_evaluates_every_draft_speculating(tmp_
 
     base = DRIFT_PRESETS["ci-vllm"]
     cot = dataclasses.replace(base.rl.cotrain, **adaptive_spec(base.rl.cotrain.spec))
-    cot = dataclasses.replace(cot, controller=dataclasses.replace(cot.controller, run_rollouts=1, run_warmup=0,
+    cot = dataclasses.replace(cot, controller=dataclasses.replace(cot.controller, run_rollouts=1, run_warmup=1,
                                                                   margin=100.0))
-    preset = dataclasses.replace(base, rl=dataclasses.replace(base.rl, rl_steps=4, cotrain=cot))
+    preset = dataclasses.replace(base, rl=dataclasses.replace(base.rl, rl_steps=6, cotrain=cot))
     out = tmp_path / "drift"
     summary = run_drift(preset, out, engine="vllm", cache_dir=tmp_path / "cache", progress=False, plots=False,
                         log=lambda *a: None)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print("drift arms under a run choice of plain:", [(r["step"], r["arm"], r.get("accept_length")) for r in rows])
-    assert {r["step"] for r in rows} == {0, 2, 4}
+    assert {r["step"] for r in rows} == {0, 2, 4, 6}
     assert all(r["accept_length"] > 1.5 for r in rows if r["arm"] != "plain")  # every draft arm speculated
     assert summary["online_over_reference_min"] is not None and summary["online_over_reference_min"] > 0
     rl = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["rollout/spec_run_choice"] for r in rl] == [None, 0, 0, 0]  # spec, plain timed; plain kept
-    assert [r["rollout/spec_verify_steps"] > 0 for r in rl] == [True, False, False, False]
+    # spec warm-up and timed, plain warm-up and timed (a restart each way); plain kept from step 3
+    assert [r["rollout/spec_run_choice"] for r in rl] == [None, None, None, 0, 0, 0]
+    assert [r["rollout/spec_verify_steps"] > 0 for r in rl] == [True, True, False, False, False, False]
     run_summary = json.loads((out / "rl" / "summary.json").read_text())
-    assert run_summary["run_choice"]["speculate"] is False and run_summary["run_choice"]["decided_at_step"] == 1
+    assert run_summary["run_choice"]["speculate"] is False and run_summary["run_choice"]["decided_at_step"] == 3
