@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from rollout.compiled import CompiledForwards
+from rollout.drafters import METHODS
 from rollout.profile import StepProfiler, tick
 from rollout.proposer import SpecStep, Verdict
 from rollout.protocol import (EngineCapabilities, RequestIds, Rollout, RolloutStats, SamplingParams, SpecStats,
@@ -189,8 +190,8 @@ class EmbeddedEngine:
         return self.model.embed_tokens.weight.device
 
     # -- protocol -------------------------------------------------------------------------
-    capabilities = EngineCapabilities(drafters=("eagle3", "history", "hybrid", "custom"), step_policy=True,
-                                      switch="free", captures_features=True, idle_windows=True)
+    capabilities = EngineCapabilities(drafters=METHODS, step_policy=True, switch="free", captures_features=True,
+                                      idle_windows=True)
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""
