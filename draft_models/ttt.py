@@ -144,3 +144,58 @@ def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp
         metrics[f"accept_{k}"] = acc_rate
         metrics[f"n_{k}"] = n
     return total, metrics
+
+
+@torch.no_grad()
+def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
+                           loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> tuple[float, list[float]]:
+    """The draft's expected accept length per verify step with chains of `gamma`, on sequences the
+    policy wrote -> (E, per-depth acceptance).
+
+    Terms. A verify step starts after row t (the prefix x_0..x_{t+1}); the draft proposes
+    x_{t+2}..x_{t+1+gamma} by chaining its own steps (the TTT unroll, row t of step k). Step k is
+    accepted with probability a_{t,k} = sum_x min(p(x), q(x)) under rejection sampling (p: the
+    target at position t+1+k, unrenormalised over the draft vocabulary, since a token outside it
+    is never proposed; q: the draft), or 1[argmax q == argmax p] with `greedy`. The step emits
+    E_t = 1 + sum_{k<gamma} prod_{j<=k} a_{t,j} tokens (the bonus token plus the accepted run);
+    a position past the answer's end accepts nothing. E is the mean of E_t over rows t whose
+    first proposed token x_{t+2} is an answer token (loss_mask).
+
+    Conditions. Greedy: exact, since the policy's greedy answer is the chain a verify step
+    confirms. Sampled: each a_{t,k} is exact; the chain's inputs are the tokens the policy
+    sampled, where a verify step feeds the draft its own accepted proposals (the same tokens
+    whenever they are accepted, a different draw of the same target distribution otherwise).
+    It needs the target's log-probs (the trainer-side capture records them, whether or not
+    speculation served those rollouts).
+
+    features (B, T, 3H), input_ids (B, T), target_logp (B, T, Vd) at the draft vocabulary
+    (FeatureBuffer's soft targets), loss_mask (B, T)."""
+    B, T = input_ids.shape
+    if target_logp is None or target_logp.shape[-1] != draft.cfg.draft_vocab_size:
+        raise ValueError("expected_accept_length needs the target's log-probs at the draft vocabulary")
+    outs = ttt_unroll(draft, features, input_ids, gamma)
+    mask = loss_mask.to(torch.bool)
+    p = target_logp.float().exp()
+    running = torch.ones(B, T, device=input_ids.device)  # prod_{j<=k} a_{t,j} so far
+    expected = torch.ones(B, T, device=input_ids.device)
+    depth = []
+    for k, (_, logits) in enumerate(outs):
+        n = max(0, T - 2 - k)  # rows with a token x_{t+2+k}
+        a = torch.zeros(B, T, device=input_ids.device)
+        if n:
+            q = torch.softmax(logits[:, :n].float(), dim=-1)
+            pk = p[:, 1 + k: 1 + k + n]
+            if greedy:
+                a[:, :n] = (q.argmax(-1) == pk.argmax(-1)).float()
+            else:
+                a[:, :n] = torch.minimum(pk, q).sum(-1)
+            a[:, :n] *= mask[:, 2 + k: 2 + k + n]
+        running = running * a
+        expected = expected + running
+        depth.append(a)
+    rows = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
+    rows[:, : max(0, T - 2)] = mask[:, 2:]
+    if not bool(rows.any()):
+        return float("nan"), [float("nan")] * gamma
+    per_depth = [float(a[rows].mean()) for a in depth]
+    return float(expected[rows].mean()), per_depth

@@ -49,13 +49,13 @@ speed-against-batch sweep is repeated on that preset's SFT policy and offline dr
 (`speedup_vs_batch_deep_target`): the drift policy is small, so that sweep shows what the same
 engine gives at a realistic draft/target cost ratio.
 
-Reproducibility: the draft's time budget is set so it never binds, so the updates per RL step
-follow the preset's rule alone. With a fixed chain (the CI presets, DRIFT_COTRAIN_FIXED) every
-field of summary.json is byte-identical across runs on CPU with one seed, except those listed in
-its `timing_fields` (wall-clock measurements). The quick and full presets' RL rollouts speculate
-adaptively (specrl.controller, from measured step times) and grant draft updates by the
-acceptance those rollouts measure, so their update counts, and with them the draft, may differ
-between two runs on a machine whose load differs; the tokens do not (speculation is lossless).
+Reproducibility: with a fixed chain and counted updates (the CI presets, DRIFT_COTRAIN_FIXED)
+every field of summary.json is byte-identical across runs on CPU with one seed, except those
+listed in its `timing_fields` (wall-clock measurements). The other presets' online arm co-trains
+with the RL presets' one configuration (presets.cotrained): adaptive speculation, and draft
+updates bought by the value budget from measured seconds, so their update counts, and with them
+the draft, may differ between two runs on a machine whose load differs; the tokens do not
+(speculation is lossless).
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
-from specrl.presets import DRIFT_COTRAIN, DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset, reproducible
+from specrl.presets import DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset, cotrained
 from specrl.rl_setup import encode_prompts, rollout_params
 from specrl.train_rl import RLCallback, RLRun, train_rl
 from target_training.config import require_positive
@@ -143,22 +143,23 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
                                         cotrain=dataclasses.replace(DRIFT_COTRAIN_FIXED, max_draft_steps=2)),
                            eval_every=2, eval_prompts=8, eval_batch=8, timing_repeats=1, speed_batches=(1, 8),
                            reference_every=1),
-    # The drift experiment asks whether the online draft can follow the policy: its co-training is
-    # unpriced, and every decision is fixed at the start (presets.reproducible), so two runs with one
-    # seed train the same online draft; only the speeds follow the machine.
-    "quick": DriftPreset(rl=_drift_rl("drift", cotrain=reproducible(DRIFT_COTRAIN)), eval_every=20, timing_repeats=3,
-                         final_timing_repeats=6, reference_every=1),
+    # The online arm co-trains with the RL presets' one configuration (presets.cotrained: the value
+    # budget, the swap gate, the hard cap of 5% of the step), so what it shows is what `train-rl` and
+    # `bench rl` get; its decisions follow measured seconds, so two runs with one seed may train differently.
+    "quick": DriftPreset(rl=_drift_rl("drift"), eval_every=20, timing_repeats=3, final_timing_repeats=6,
+                         reference_every=1),
+    # the speed model under the drift task's bonus (RL preset "speed-drift"): speculation pays at the RL batch
+    "speed-drift": DriftPreset(rl=_drift_rl("speed-drift"), eval_every=10, timing_repeats=2, final_timing_repeats=4,
+                               reference_every=0, speed_batches=(1, 16, 64)),
     # The real model (SmolLM2-135M-Instruct on word problems, RL preset "real"): about 40 minutes on 2 cores,
     # most of it policy updates of a 135M model. 16 answers per step (4 prompts x 4) and a learning rate
     # five times the RL preset's, so that 12 steps move the policy enough to ask whether the draft
     # follows; the reference draft is retrained at the end only (one offline training is about 9 minutes).
     "real": DriftPreset(rl=_drift_rl("real", rl_steps=12, prompts_per_step=4,
-                                     grpo=dataclasses.replace(RL_PRESETS["real"].grpo, lr=1e-5),
-                                     cotrain=reproducible(dataclasses.replace(DRIFT_COTRAIN, spec=SpecConfig(mode="chain",
-                                                                                                          gamma=4)))),
+                                     grpo=dataclasses.replace(RL_PRESETS["real"].grpo, lr=1e-5)),
                         eval_every=6, eval_prompts=16, eval_batch=8, timing_repeats=1, speed_batches=(1, 8)),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
-                                     cotrain=reproducible(DRIFT_COTRAIN)), eval_every=30, eval_prompts=64, eval_batch=64,
+                                     cotrain=cotrained(SpecConfig(mode="chain", gamma=6))), eval_every=30, eval_prompts=64, eval_batch=64,
                       reference_every=1, deep_target="speed"),
 }
 

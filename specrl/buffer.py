@@ -56,7 +56,8 @@ def _own(t, dtype: torch.dtype) -> torch.Tensor:
 class FeatureBuffer:
     """Version-tagged, byte-bounded store of draft training records (see the module docstring)."""
 
-    def __init__(self, budget_bytes: int, feature_dtype: torch.dtype = torch.float16, seed: int = 0):
+    def __init__(self, budget_bytes: int, feature_dtype: torch.dtype = torch.float16, seed: int = 0,
+                 heldout_every: int = 0, heldout_records: int = 16):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"FeatureBuffer budget_bytes must be a positive integer, got {budget_bytes!r}")
         if not feature_dtype.is_floating_point:
@@ -71,6 +72,12 @@ class FeatureBuffer:
         self._bytes = 0
         self.capture_seconds = 0.0  # time spent storing features from the trainer's forward (hook)
         self.counters = {"added": 0, "evicted": 0, "rejected_oversized": 0, "skipped_empty": 0}
+        # held-out sequences: every `heldout_every`-th row of the trainer's forward goes here instead
+        # of into training, the newest `heldout_records` kept (they measure drafts; never sampled)
+        self.heldout_every, self.heldout_records = int(heldout_every), int(heldout_records)
+        self.heldout: list[dict] = []
+        self.heldout_only = False  # store the held-out rows only (a frozen draft is measured, not trained)
+        self._rows = 0  # rows offered by the trainer's forward so far
 
     # ------------------------------------------------------------------ core
     def __len__(self) -> int:
@@ -151,6 +158,22 @@ class FeatureBuffer:
             raise ValueError(f"features {tuple(features.shape)} and response_mask {tuple(response_mask.shape)} "
                              f"must match input_ids {(B, T)}")
         mask = response_mask.detach().to(torch.bool)
+        pos = torch.arange(T, device=mask.device)
+        lengths = (torch.where(mask, pos, torch.full_like(pos, -1)).amax(-1) + 1).tolist()
+        held = []  # per row: held out of training (every heldout_every-th non-empty row, soft targets needed)
+        for n in lengths:
+            held.append(n > 0 and self.heldout_every > 0 and logits is not None and self._rows % self.heldout_every == 0)
+            self._rows += n > 0
+        if self.heldout_only:  # only the held-out rows are stored: compute nothing for the others
+            rows = [b for b in range(B) if held[b]]
+            if not rows:
+                return 0
+            if len(rows) < B:
+                idx = torch.tensor(rows, device=input_ids.device)
+                input_ids, features, mask = input_ids[idx], features[idx], mask[idx]
+                logits = None if logits is None else logits[idx]
+                lengths, held = [lengths[b] for b in rows], [True] * len(rows)
+                B = len(rows)
         logp = None
         if logits is not None:
             if logits.shape[:2] != (B, T):
@@ -162,8 +185,6 @@ class FeatureBuffer:
             input_ids, features, mask = download(input_ids), download(features.detach(), self.feature_dtype), download(mask)
             logp = None if logp is None else download(logp)
             settle(response_mask.device)
-        pos = torch.arange(T, device=mask.device)
-        lengths = (torch.where(mask, pos, torch.full_like(pos, -1)).amax(-1) + 1).tolist()
         stored = 0
         for b, n in enumerate(lengths):
             if n <= 0:
@@ -171,8 +192,25 @@ class FeatureBuffer:
                 continue
             rec = {"input_ids": input_ids[b, :n], "features": features[b, :n].detach(),
                    "target_logp": None if logp is None else logp[b, :n], "loss_mask": mask[b, :n]}
-            stored += self.add(rec, policy_version)
+            if held[b]:
+                self._hold_out(rec, policy_version)
+            else:
+                stored += self.add(rec, policy_version)
         return stored
+
+    def _hold_out(self, record: dict, policy_version: int) -> None:
+        """Keep `record` among the held-out sequences (own storage), the oldest dropped past
+        `heldout_records`."""
+        rec = {"input_ids": _own(record["input_ids"], torch.long).reshape(-1),
+               "features": _own(record["features"], self.feature_dtype),
+               "target_logp": _own(record["target_logp"], torch.float16),
+               "loss_mask": _own(record["loss_mask"], torch.bool).reshape(-1), "policy_version": int(policy_version)}
+        self.heldout = (self.heldout + [rec])[-self.heldout_records:] if self.heldout_records else []
+
+    @property
+    def heldout_version(self) -> int | None:
+        """The newest policy version among the held-out sequences (None: none held out yet)."""
+        return max((r["policy_version"] for r in self.heldout), default=None)
 
     def logprob_hook(self, layer_ids: Sequence[int], d2t: torch.Tensor, policy_version: Callable[[], int],
                      soft_targets: bool = True):
@@ -265,8 +303,9 @@ class FeatureBuffer:
         rollouts, so checkpoints normally leave them out."""
         sd = {"budget_bytes": self.budget_bytes, "seed": self.seed, "feature_dtype": str(self.feature_dtype),
               "counters": dict(self.counters), "rng": self._gen.get_state(),
-              "versions": [e["policy_version"] for e in self._entries.values()]}
+              "versions": [e["policy_version"] for e in self._entries.values()], "rows": self._rows}
         if include_tensors:
+            sd["heldout"] = [dict(r) for r in self.heldout]
             sd["entries"] = [{k: v for k, v in e.items() if k not in ("nbytes", "rejection")}
                              for e in self._entries.values()]
         return sd
@@ -286,3 +325,5 @@ class FeatureBuffer:
         for e in sd.get("entries", []):
             self.add(e, e["policy_version"], e.get("weight_per_pos"))
         self.counters = dict(sd["counters"])  # after the re-adds, which would count again
+        self._rows = int(sd.get("rows", 0))
+        self.heldout = [dict(r) for r in sd.get("heldout", [])][-self.heldout_records:] if self.heldout_records else []

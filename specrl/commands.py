@@ -478,7 +478,8 @@ class BenchRL(Run):
         "tree)", parse=_name_list)
     prompt_pool: int | None = flag(None, "training prompts the steps sample from (default: the preset's); a small "
                                          "pool revisits prompts sooner, as epochs do", lo=1)
-    steps: int = flag(20, "RL steps per arm", lo=1, hi=MAX_RL_STEPS)
+    steps: int | None = flag(None, "RL steps per arm (default: the preset's bench_steps, 20 for most)", lo=1,
+                             hi=MAX_RL_STEPS)
     segment: int = flag(5, "consecutive RL steps per arm before the next arm's turn", lo=1)
     warmup: int = flag(1, "first steps left out of the medians", lo=0)
     vllm_schedule: bool = flag(False, "(--engine vllm) speculate by batch size, from speed-ups measured on vLLM "

@@ -21,7 +21,7 @@ FeatureSource = Literal["trainer", "engine", "both"]
 Window = Literal["tail", "between", "interleaved", "wait"]
 SchedulerMode = Literal["sequential", "overlap"]
 OverlapUntil = Literal["step", "rollout"]
-BudgetRule = Literal["fixed", "acceptance"]
+BudgetRule = Literal["fixed", "acceptance", "value"]
 Drafter = Literal["eagle3", "history", "hybrid"]
 
 WINDOWS: tuple[str, ...] = get_args(Window)
@@ -125,7 +125,9 @@ class DraftBudgetConfig:
 
     rule: BudgetRule = "fixed"
     """"fixed": the cap (CoTrainConfig.max_draft_steps) every step; "acceptance": more updates
-    when acceptance falls below its best or the policy moves."""
+    when acceptance falls below its best or the policy moves; "value": updates while the rollout
+    seconds their measured held-out gain saves over `horizon` rollouts exceed their measured cost
+    (needs the held-out slice, CoTrainConfig.heldout_every > 0)."""
     min_steps: int = 0
     """Floor, used when steady."""
     base_steps: int = 1
@@ -152,6 +154,14 @@ class DraftBudgetConfig:
     `RolloutStats.spec_saved_s`), kept as a running credit (specrl.draft_budget). None: the
     count rule alone decides. Needs an engine that estimates its saving (the embedded engine
     under the adaptive controller); elsewhere the count rule alone decides."""
+    horizon: int = 10
+    """Rule "value": the rollouts over which a held-out gain is valued (the draft is retrained or
+    goes stale within about this many steps)."""
+    max_share: float | None = None
+    """Hard cap: draft training, held-out measurement and feature capture take at most this share
+    of the RL step's wall time over any `share_window` steps (None: no cap)."""
+    share_window: int = 10
+    """Steps over which `max_share` holds."""
     collapse_accept_length: float = 1.05
     """An accept length at or below this with speculation on counts as a collapse."""
     collapse_patience: int = 2
@@ -174,6 +184,14 @@ class DraftBudgetConfig:
         if self.saving_share is not None and not (isinstance(self.saving_share, (int, float)) and
                                                   0.0 < self.saving_share <= 1.0):
             raise ValueError(f"DraftBudgetConfig.saving_share must be None or in (0, 1], got {self.saving_share!r}")
+        for name in ("horizon", "share_window"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"DraftBudgetConfig.{name} must be a positive integer, got {v!r}")
+        if self.max_share is not None and not (isinstance(self.max_share, (int, float)) and 0.0 < self.max_share < 1.0):
+            raise ValueError(f"DraftBudgetConfig.max_share must be None or in (0, 1), got {self.max_share!r}")
+        if self.rule == "value" and self.saving_share is not None:
+            raise ValueError("DraftBudgetConfig: rule 'value' prices updates by their held-out gain; leave saving_share None")
         if self.collapse_accept_length < 1.0:
             raise ValueError(f"DraftBudgetConfig.collapse_accept_length must be >= 1, got {self.collapse_accept_length}")
         if self.collapse_patience < 1:
@@ -342,10 +360,21 @@ class CoTrainConfig:
     """When and how long the draft trains."""
     max_draft_steps: int = 64
     """Cap on draft updates per RL step, across windows."""
-    min_buffer_records: int = 16
-    """Records the buffer must hold before the draft trains."""
+    min_buffer_records: int = 8
+    """Records the buffer must hold before the draft trains (the held-out answers not counted)."""
     seed: int = 0
     """Seeds the buffer's sampling."""
+    heldout_every: int = 8
+    """Every Nth sequence the trainer's forward captures is held out of training (0: none). The
+    newest `heldout_records` of them measure drafts: the serving draft's expected accept length
+    each step (also in "frozen" mode, which then captures these sequences only), the swap gate and
+    the "value" budget rule (draft_models.ttt.expected_accept_length)."""
+    heldout_records: int = 16
+    """Held-out sequences kept (the newest)."""
+    gate_tolerance: float = 0.0
+    """Swap gate: a trained draft replaces the serving one only if its held-out expected accept
+    length is at least (1 - gate_tolerance) times the serving draft's, measured on the same
+    held-out sequences; else it is refused, counted, and training goes on from the serving draft."""
 
     def __post_init__(self) -> None:
         _check_choice(self, "mode", Mode)
@@ -359,6 +388,11 @@ class CoTrainConfig:
         for name in ("buffer_bytes", "min_buffer_records"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"CoTrainConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_draft_steps", "recent_versions"):
+        if self.scheduler.draft_steps.rule == "value" and not self.heldout_every:
+            raise ValueError("the 'value' budget rule measures drafts on held-out sequences: CoTrainConfig.heldout_every "
+                             "must be > 0")
+        if not 0.0 <= self.gate_tolerance < 1.0:
+            raise ValueError(f"CoTrainConfig.gate_tolerance must be in [0, 1), got {self.gate_tolerance}")
+        for name in ("max_draft_steps", "recent_versions", "heldout_every", "heldout_records"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CoTrainConfig.{name} must be >= 0, got {getattr(self, name)}")

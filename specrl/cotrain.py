@@ -31,6 +31,8 @@ import torch
 from draft_models.checkpoint import check_draft_weights, copy_draft_weights
 from rollout.drafters import DrafterSpec
 from rollout.protocol import DraftReceiver, FeatureSource, Rollout, RolloutStats, summarize_spec_stats
+from draft_models.train import collate
+from draft_models.ttt import expected_accept_length as ttt_expected_accept_length
 from specrl.buffer import FeatureBuffer
 from specrl.config import CoTrainConfig
 from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
@@ -76,8 +78,21 @@ class SpecCoTrainer:
         # the engine speculates with its own copy; the trainer's copy is pushed when it improves
         self.controller = SpeculationController(cfg.controller) if cfg.adaptive else None
         self.draft = draft
-        self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed)
+        self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed, heldout_every=cfg.heldout_every,
+                                    heldout_records=cfg.heldout_records)
+        # a frozen draft is measured on held-out sequences, not trained: capture those only
+        self.buffer.heldout_only = cfg.mode == "frozen"
+        self.heldout = None  # the serving draft's held-out expected accept length, this step
+        self._heldout_s = 0.0  # seconds spent measuring drafts on held-out sequences this step
+        self._gate = {"refused": 0, "accepted": 0}  # swap gate decisions since the start
+        self._gate_step: dict = {}  # this step's gate figures
+        self._serving = None  # online: a copy of the serving draft (the gate's yardstick)
+        self._updates_since_push = 0
+        self._recheck = None  # "spec" or "plain": the run choice re-timed because of the draft
+        self._choice_heldout = None  # held-out accept length when the run choice was last made or re-timed
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
+        if self.draft_trainer is not None and cfg.heldout_every:
+            self._serving = copy.deepcopy(draft)
         self.scheduler = DraftScheduler(cfg.scheduler, on_error=self._on_draft_error)
         # updates per RL step (fixed or acceptance-driven) and the collapse alarm (every speculating mode)
         self.budget = DraftBudget(cfg.scheduler.draft_steps)
@@ -119,23 +134,20 @@ class SpecCoTrainer:
                 self.controller = None
         engine.install_draft(DrafterSpec(self.config.drafter, draft=self.draft, spec=self.config.spec,
                                          history=self.history), self.controller)
+        measured = self.draft is not None and self.config.heldout_every > 0 and isinstance(trainer, FeatureSource)
         if self.draft_trainer is None:
+            if measured:  # a frozen draft: the held-out sequences only, to measure it
+                self._add_capture(trainer)
             return self
         source = self.config.feature_source
         if source in ("engine", "both") and not caps.captures_features:
             raise ValueError(f"feature_source={source!r}: {type(engine).__name__} does not capture features; "
                              f"use feature_source='trainer'")
-        if trainer is not None and source in ("trainer", "both"):
+        if trainer is not None and (source in ("trainer", "both") or measured):
             if not isinstance(trainer, FeatureSource):
                 raise TypeError(f"{type(trainer).__name__} is not a rollout.protocol.FeatureSource")
-            layer_ids = tuple(self.draft.cfg.aux_layer_ids)  # = the policy's taps (install_draft checks)
-            capture = self.buffer.logprob_hook(layer_ids, self.draft.d2t, lambda: self.policy_version)
-
-            def hook(*args):
-                if not self._plain_chosen():
-                    capture(*args)
-
-            trainer.add_feature_hook(layer_ids, hook)
+            self.buffer.heldout_only = source == "engine"  # the engine feeds training; the trainer the held-out slice
+            self._add_capture(trainer)
         sequential = self._overlap is None  # overlapped: the burst is the only window
         if sequential and "tail" in self.config.scheduler.windows and caps.idle_windows:
             engine.step_hooks.append(self._tail_hook)
@@ -145,6 +157,13 @@ class SpecCoTrainer:
                                  "(called between the policy update's micro-steps)")
             trainer.microstep_hooks.append(self._interleaved_hook)
         return self
+
+    def _add_capture(self, trainer) -> None:
+        """Capture features in the trainer's log-prob forward (no extra forward), whatever the run
+        choice: a draft measured or trained while plain decoding is chosen can earn its way back."""
+        layer_ids = tuple(self.draft.cfg.aux_layer_ids)  # = the policy's taps (install_draft checks)
+        trainer.add_feature_hook(layer_ids, self.buffer.logprob_hook(layer_ids, self.draft.d2t,
+                                                                     lambda: self.policy_version))
 
     def serving_draft(self):
         """A copy of the draft the engine speculates with now, as a module (what experiments
@@ -185,12 +204,6 @@ class SpecCoTrainer:
                 saved = choice.saved_s(stats.tokens, seconds)
         return saved
 
-    def _plain_chosen(self) -> bool:
-        """The run choice is plain decoding (for good on vLLM; until a re-check on the embedded
-        engine) and draft updates are priced: none are paid for, so the trainer's forward captures
-        no features for them."""
-        return self.run_choice is not None and self.run_choice.speculate is False and self.budget.priced
-
     # -- RL loop hooks --------------------------------------------------------------------
     def begin_step(self) -> None:
         """Open an RL step: the run choice switches the engine's speculation on or off for its
@@ -209,6 +222,9 @@ class SpecCoTrainer:
         self._t_step = time.perf_counter()
         self._sync_s = 0.0
         self._capture_s0 = self.buffer.capture_seconds
+        self._heldout_s = 0.0
+        self._gate_step = {}
+        self._recheck = None
 
     def on_rollout(self, trajectories) -> dict:
         """Acceptance statistics of a rollout batch, and the rollout's figures (a Rollout's
@@ -249,6 +265,9 @@ class SpecCoTrainer:
             self._rollout_metrics["rollout/spec_accept_length_at_gamma"] = signal
         self.budget.observe(signal, measured)
         self.budget.observe_saving(saved)
+        if stats is not None:
+            self.budget.observe_rollout(stats.tokens, stats.rollout_s, stats.speculated,
+                                        agg["accept_length"] if measured else None, saved)
         self._rollout_metrics.update({"rollout/spec_collapse_alarm": int(self.budget.alarm),
                                       "rollout/spec_collapse_alarms": self.budget.alarms})
         if self.capture_engine_features:
@@ -286,15 +305,26 @@ class SpecCoTrainer:
             return {}
         self.policy_version += 1
         self.budget.observe_kl(kl)
+        t0 = time.perf_counter()
+        self._measure_serving()  # outside the scheduler's windows: it never starves the updates
+        self._heldout_s = time.perf_counter() - t0
+        self._follow_draft()
         if train and self._overlap is not None:
             t0 = time.perf_counter()
             self._overlap_boundary()
             self.scheduler.charge("between", time.perf_counter() - t0)
         elif train and self.draft_trainer is not None:
             self.scheduler.run_window("between", self._train_burst)
-        report = self.scheduler.end_step(time.perf_counter() - self._t_step)
+        self._follow_draft()  # again with the draft that serves now
+        step_s = time.perf_counter() - self._t_step
+        report = self.scheduler.end_step(step_s)
+        # the serving draft's held-out measurement is draft time too (perf/draft_heldout_s: its share)
+        report["perf/draft_train_s"] = report.get("perf/draft_train_s", 0.0) + self._heldout_s
         self._granted = self.budget.steps(self.config.max_draft_steps)  # this step's count, before paying for it
         self.budget.spend(self._burst_s + self._sync_s, self._draft_steps_this_rl_step)  # updates and their swaps
+        capture_s = self.buffer.capture_seconds - self._capture_s0
+        self.budget.observe_step(step_s, report["perf/draft_train_s"] + capture_s)
+        self.budget.close_step(self.config.max_draft_steps)
         self._step_metrics = report
         return self.metrics()
 
@@ -324,8 +354,95 @@ class SpecCoTrainer:
             m["sched/memory_skipped"] = self._mem_skipped
             m["buffer/entries"] = len(self.buffer)
             m["buffer/bytes"] = self.buffer.nbytes
+        if self.heldout is not None or self.draft_trainer is not None:
+            m["sched/heldout_accept_length"] = self.heldout  # the serving draft's, on the newest held-out sequences
+            m["perf/draft_heldout_s"] = self._heldout_s
+            m.setdefault("perf/feature_capture_s", self.buffer.capture_seconds - self._capture_s0)  # frozen: held-out rows
+            m.update(self._gate_step)
+            m["train/draft_refused_total"] = self._gate["refused"]
+            m["train/draft_gated_total"] = self._gate["accepted"] + self._gate["refused"]
+            if self._recheck is not None:
+                m["sched/run_recheck"] = self._recheck
         m["train/draft_faults"] = self.faults
         return m
+
+    # -- held-out measurement, swap gate, run choice --------------------------------------
+    def _heldout_value(self, draft) -> float | None:
+        """`draft`'s expected accept length on the held-out sequences at the configured chain
+        (draft_models.ttt.expected_accept_length, sampled decoding); None without any."""
+        records = self.buffer.heldout
+        if not records:
+            return None
+        w = draft.fc.weight
+        batch = collate(records, w.device, w.dtype, soft=True)
+        was = draft.training
+        draft.eval()
+        try:
+            e, _ = ttt_expected_accept_length(draft, batch["features"], batch["input_ids"], batch["target_logp"],
+                                              batch["loss_mask"], self.config.spec.gamma)
+        finally:
+            draft.train(was)
+        return e if e == e else None  # NaN: no answer token held out
+
+    def _measure_serving(self) -> None:
+        """The serving draft's held-out expected accept length on the newest held-out sequences
+        (those the trainer's forward captured in this step), for the budget and the metrics."""
+        if self.draft is None or not self.config.heldout_every:
+            return
+        serving = self._serving if self._serving is not None else self.draft
+        try:
+            self.heldout = self._heldout_value(serving)
+        except Exception as err:  # a measurement failure never stops the RL run
+            self._on_draft_error(err)
+            self.heldout = None
+        self.budget.observe_heldout(self.heldout)
+
+    def _gate_passes(self) -> bool:
+        """The swap gate: the trained candidate serves only if its held-out expected accept length
+        is at least (1 - gate_tolerance) times the serving draft's on the same sequences. A refused
+        candidate is counted, and the trainer goes on from the serving draft's weights."""
+        if self._serving is None or not self.buffer.heldout:
+            return True
+        updates, self._updates_since_push = self._updates_since_push, 0
+        try:
+            cand = self._heldout_value(self.draft_trainer.draft)
+            serve = self._heldout_value(self._serving)
+        except Exception as err:
+            self._on_draft_error(err)
+            return False
+        if cand is None or serve is None:
+            return True
+        self.budget.observe_gain(cand - serve, updates)
+        self._gate_step = {"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve}
+        if cand >= serve * (1.0 - self.config.gate_tolerance):
+            self._gate["accepted"] += 1
+            self.heldout = cand
+            return True
+        self._gate["refused"] += 1
+        self._gate_step["train/draft_refused"] = self._gate_step.get("train/draft_refused", 0) + 1
+        with torch.no_grad():
+            self.draft_trainer.draft.load_state_dict(self._serving.state_dict())
+        self.draft_trainer.version += 1  # the trainer's weights changed (back to the serving ones)
+        self._engine_version = self.draft_trainer.version  # ... which the engine serves: nothing to push
+        return False
+
+    def _follow_draft(self) -> None:
+        """The run choice follows the draft: plain decoding chosen and the serving draft's held-out
+        acceptance now predicts that speculation pays -> time speculation again at once; speculation
+        chosen and the draft no longer predicted to pay -> time plain decoding again."""
+        choice, e = self.run_choice, self.heldout
+        if choice is None or choice.speculate is None or choice.queue or e is None:
+            return
+        if self.engine.capabilities.switch != "free":  # a restart (vLLM): the periodic re-check alone
+            return
+        if self._choice_heldout is None:  # the draft the choice was made with
+            self._choice_heldout = e
+        pays = self.budget.pays(e, choice.margin)
+        moved = abs(e - self._choice_heldout) > self.budget.config.tolerance * self._choice_heldout
+        if pays is None or pays == choice.speculate or not moved:
+            return
+        self._recheck, self._choice_heldout = ("spec" if pays else "plain"), e
+        choice.recheck_now()
 
     # -- internals ------------------------------------------------------------------------
     def _tail_hook(self, n_active: int, n_slots: int) -> None:
@@ -405,6 +522,7 @@ class SpecCoTrainer:
     def _record_burst(self, result: dict) -> None:
         """Count a burst's steps and keep its last step's metrics (with the burst's mean loss)."""
         self._draft_steps_this_rl_step += result["steps"]
+        self._updates_since_push += result["steps"]
         self._burst_s += result.get("seconds", 0.0)
         if result.get("last"):
             self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})
@@ -416,6 +534,8 @@ class SpecCoTrainer:
         Not attached to an engine (training a draft from the trainer's features alone): nothing
         to swap into, and that is not a fault."""
         if self.engine is None:
+            return
+        if not self._gate_passes():
             return
         t_sync = time.perf_counter()
         version = self.draft_trainer.version
@@ -434,6 +554,8 @@ class SpecCoTrainer:
         finally:
             self._sync_s += time.perf_counter() - t_sync
         self._engine_version = version
+        if self._serving is not None:  # the gate's yardstick is now this draft
+            self._serving.load_state_dict(self.draft_trainer.draft.state_dict())
         # the controller keeps its acceptance estimates across the swap: its EMAs follow the new draft
         # within a few steps, where forgetting them made it re-explore every arm, plain decoding
         # included, after every update (every rollout, at one update per RL step)
@@ -497,7 +619,8 @@ class SpecCoTrainer:
                 "buffer": self.buffer.state_dict(include_tensors=True), "scheduler": self.scheduler.state_dict(),
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "run_choice": self.run_choice.state_dict() if self.run_choice is not None else None,
-                "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict()}
+                "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict(),
+                "gate": dict(self._gate), "choice_heldout": self._choice_heldout}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.config.mode:
@@ -521,6 +644,10 @@ class SpecCoTrainer:
         self.generator.set_state(state["generator"])
         self.faults = state["faults"] + faults
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it
+        self._gate = dict(state.get("gate", self._gate))
+        self._choice_heldout = state.get("choice_heldout")
+        if self._serving is not None:  # the gate's yardstick: the draft the engine serves
+            copy_draft_weights(self._serving, self.engine.draft_weights()[0])
 
     def _restore_engine_draft(self, state: dict) -> int:
         """Push the checkpoint's engine draft; a non-finite one is replaced by the trainer's (or the

@@ -37,6 +37,28 @@ speculation saves nothing, not even with a fresh draft, the draft does not train
 much, the rule's count decides. Co-training then costs at most saving_share of the best saving,
 over any stretch of CREDIT_STEPS rollouts or more.
 
+Rule "value" (co-training as an investment): the co-trainer measures the serving draft's
+expected accept length E on held-out sequences of the newest rollouts each step (`observe_heldout`,
+draft_models.ttt.expected_accept_length: the same whether or not speculation served them) and
+the held-out gain of every trained candidate per update g (`observe_gain`). The rollouts' figures
+(`observe_rollout`) give the plain rate r (seconds per token: a plain rollout's, or a speculating
+one's seconds plus the engine's estimated saving) and the speculating cost c (seconds per token
+times the rollout's accept length: a verify step's seconds, as verify steps are tokens / E). A
+draft of accept length E then saves v(E) = tokens * max(0, r - c / E) seconds per rollout when
+speculation is chosen wherever it pays. n updates in each of the next m steps (m <= horizon)
+are worth sum_{j=1..horizon} (v(E + g n min(j, m)) - v(E)), the rollouts they speed up over the
+horizon, and cost n m u (u the measured seconds of one update, its gate included); a step runs
+the largest n up to the cap for which some m pays (so a stale draft whose speculation no longer
+pays still trains when the gain it shows would bring speculation back within the horizon).
+None pays: training stops, and E at that point is kept;
+it starts again (a probe of `base_steps` updates, whose gain g is then measured afresh) once E
+falls below that by more than `tolerance` (the policy moved), and it probes too while g, r or c
+is unknown.
+
+The hard cap (`max_share`, with any rule): draft training, held-out measurement and feature
+capture take at most max_share of the wall time over any `share_window` steps (`observe_step`):
+a step gets at most the updates whose measured seconds keep the window's share under it.
+
 The collapse alarm watches every rollout that speculated, whatever the rule: an accept length
 at or below `collapse_accept_length` for `collapse_patience` rollouts in a row means the draft
 predicts (almost) nothing, the usual sign of a draft overwritten by a policy sync or lost in a
@@ -71,6 +93,14 @@ class DraftBudget:
         self.saving_best: float | None = None  # S_t (pricing)
         self.credit = 0.0  # seconds of draft training paid for and not yet spent
         self.update_s: float | None = None  # EMA of the measured seconds of one draft update
+        # rule "value"
+        self.heldout: float | None = None  # E: the serving draft's held-out expected accept length
+        self.heldout_stop: float | None = None  # E when training last stopped (None: training)
+        self.gain: float | None = None  # g: held-out gain per update of the recent candidates
+        self.plain_rate: float | None = None  # r: plain seconds per token
+        self.spec_cost: float | None = None  # c: speculating seconds per token x accept length
+        self.tokens: float | None = None  # tokens per rollout
+        self.window: list[list[float]] = []  # [step seconds, co-training seconds] of the last steps
 
     # -- observations ------------------------------------------------------------------------
     def observe(self, accept_length: float, speculated: bool) -> None:
@@ -102,11 +132,106 @@ class DraftBudget:
         earn = c.saving_share * max(0.0, self.saving_best)
         self.credit = min(self.credit + earn, CREDIT_STEPS * earn)
 
+    def observe_rollout(self, tokens: int, seconds: float, speculated: bool, accept_length: float | None,
+                        saved_s: float | None) -> None:
+        """A rollout's figures, for rule "value": its tokens, seconds, whether it speculated, its
+        measured accept length and the engine's estimate of the seconds speculation saved."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        a = self.config.ema
+        ema = lambda old, x: x if old is None else old + a * (x - old)  # noqa: E731
+        self.tokens = ema(self.tokens, float(tokens))
+        if not speculated:
+            self.plain_rate = ema(self.plain_rate, seconds / tokens)
+            return
+        if saved_s is not None and math.isfinite(saved_s):
+            self.plain_rate = ema(self.plain_rate, (seconds + saved_s) / tokens)
+        if accept_length is not None and math.isfinite(accept_length) and accept_length >= 1.0:
+            self.spec_cost = ema(self.spec_cost, seconds * accept_length / tokens)
+
+    def observe_heldout(self, accept_length: float | None) -> None:
+        """The serving draft's held-out expected accept length this step (rule "value")."""
+        if accept_length is None or not math.isfinite(accept_length):
+            return
+        self.heldout = float(accept_length)
+        stop = self.heldout_stop
+        if stop is not None and self.heldout < stop * (1.0 - self.config.tolerance):
+            self.heldout_stop, self.gain = None, None  # the policy moved: probe again
+
+    def observe_gain(self, gain: float, updates: int) -> None:
+        """A trained candidate's held-out accept length over the serving draft's, after `updates`
+        updates (negative for a candidate the gate refused)."""
+        if updates <= 0 or not math.isfinite(gain):
+            return
+        per = gain / updates
+        self.gain = per if self.gain is None else self.gain + self.config.ema * (per - self.gain)
+
+    def observe_step(self, step_s: float, cotrain_s: float) -> None:
+        """An RL step's wall seconds and the co-training seconds inside them (the hard cap)."""
+        self.window = (self.window + [[float(step_s), float(cotrain_s)]])[-self.config.share_window:]
+
+    def value_s(self, accept_length: float) -> float | None:
+        """v(E): rollout seconds a draft of held-out accept length E saves per rollout, where
+        speculation is chosen when it pays (None: the rates are not measured yet)."""
+        if self.plain_rate is None or self.spec_cost is None or self.tokens is None:
+            return None
+        return self.tokens * max(0.0, self.plain_rate - self.spec_cost / max(accept_length, 1.0))
+
+    def pays(self, accept_length: float | None = None, margin: float = 1.0) -> bool | None:
+        """Whether speculating with a draft of held-out accept length E (default: the serving
+        draft's) is predicted at least `margin` times as fast as plain decoding, by the rates
+        measured so far (None: unknown)."""
+        e = self.heldout if accept_length is None else accept_length
+        if e is None or self.plain_rate is None or self.spec_cost is None:
+            return None
+        return self.plain_rate >= margin * self.spec_cost / max(e, 1.0)
+
+    def _share_cap(self) -> int | None:
+        """Updates this step may run under the hard cap (None: no cap)."""
+        c = self.config
+        if c.max_share is None:
+            return None
+        past = self.window[-(c.share_window - 1):] if c.share_window > 1 else []
+        if not past:
+            return None  # nothing measured yet: the first step's updates are what measures u
+        base = past[-1][0] - past[-1][1]  # this step without co-training, as the last one
+        step_total, cotrain_total = sum(p[0] for p in past), sum(p[1] for p in past)
+        allowed = (c.max_share * (step_total + base) - cotrain_total) / (1.0 - c.max_share)
+        if allowed <= 0:
+            return 0
+        return int(allowed / self.update_s) if self.update_s else 1
+
+    def _value_steps(self, cap: int) -> int:
+        """Rule "value": updates this step (see the module docstring)."""
+        c = self.config
+        if self.heldout_stop is not None:
+            return 0
+        if self.gain is None or self.heldout is None or self.value_s(self.heldout) is None:
+            return min(cap, max(1, c.base_steps))  # probe: measure the gain of a few updates
+        u = self.update_s or 0.0
+        base = self.value_s(self.heldout)
+        for n in range(cap, 0, -1):
+            for m in range(1, c.horizon + 1):  # n updates in each of the next m steps
+                worth = sum(self.value_s(self.heldout + self.gain * n * min(j, m)) - base
+                            for j in range(1, c.horizon + 1))
+                if worth > n * m * u:
+                    return n
+        return 0
+
+    def close_step(self, cap: int) -> None:
+        """The step is over (rule "value"): where no count of updates up to `cap` pays for itself
+        on what was measured, training stops until the serving draft's held-out acceptance falls."""
+        if (self.config.rule == "value" and self.heldout_stop is None and self.gain is not None
+                and self.heldout is not None and self.value_s(self.heldout) is not None
+                and self._value_steps(cap) == 0):
+            self.heldout_stop = self.heldout
+
     def spend(self, seconds: float, updates: int) -> None:
         """Draft updates took `seconds` in all (`updates` of them); priced runs pay from the credit."""
-        if updates <= 0 or self.config.saving_share is None:
+        if updates <= 0:
             return
-        self.credit -= seconds
+        if self.config.saving_share is not None:
+            self.credit -= seconds
         per = seconds / updates
         self.update_s = per if self.update_s is None else self.update_s + self.config.ema * (per - self.update_s)
 
@@ -134,6 +259,11 @@ class DraftBudget:
     def steps(self, cap: int) -> int:
         """Draft updates this RL step may run (at most `cap`)."""
         c = self.config
+        share = self._share_cap()
+        if share is not None:
+            cap = min(cap, share)
+        if c.rule == "value":
+            return max(0, self._value_steps(cap))
         if c.rule == "fixed":
             n = cap
         elif self.ema is None:
@@ -148,7 +278,10 @@ class DraftBudget:
         return n if paid is None else min(n, paid)
 
     def metrics(self, cap: int) -> dict:
-        return {"sched/draft_steps_budget": self.steps(cap), "sched/accept_ema": self.ema,
+        m = {} if self.config.rule != "value" else {
+            "sched/heldout_gain_per_update": self.gain, "sched/value_training": int(self.heldout_stop is None),
+            "sched/heldout_saving_s": None if self.heldout is None else self.value_s(self.heldout)}
+        return m | {"sched/draft_steps_budget": self.steps(cap), "sched/accept_ema": self.ema,
                 "sched/accept_best": self.best, "sched/accept_deficit": self.deficit(),
                 "rollout/spec_collapse_alarm": int(self.alarm), "rollout/spec_collapse_alarms": self.alarms,
                 "sched/spec_saving_s": self.saving, "sched/spec_saving_best_s": self.saving_best,
@@ -183,7 +316,8 @@ class DraftBudget:
 
     # -- checkpointing -----------------------------------------------------------------------
     _STATE = ("ema", "best", "last", "falling", "kl", "steady_streak", "low_streak", "alarm", "alarms",
-              "saving", "saving_ema", "saving_best", "credit", "update_s")
+              "saving", "saving_ema", "saving_best", "credit", "update_s", "heldout", "heldout_stop", "gain",
+              "plain_rate", "spec_cost", "tokens", "window")
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._STATE}

@@ -30,33 +30,50 @@ def reproducible(cotrain: CoTrainConfig) -> CoTrainConfig:
     """`cotrain` with every decision fixed at the start of the run instead of re-timed as it goes:
     the configured chain at every engine step (no step controller, and so no choice per rollout),
     draft updates by count in the window after the policy update (the scheduler's time budget
-    left wide), not priced by measured seconds. Two runs with one seed, or a run and its resume,
+    left wide; the "value" rule, which weighs measured seconds, becomes the cap every step), not
+    priced by measured seconds. Two runs with one seed, or a run and its resume,
     then decode, speculate and train alike on any machine; only their speeds differ."""
     sched = cotrain.scheduler
     return dataclasses.replace(cotrain, adaptive=False, scheduler=dataclasses.replace(
         sched, budget_fraction=COUNTED_SCHEDULER.budget_fraction, min_budget_s=COUNTED_SCHEDULER.min_budget_s,
-        windows=COUNTED_SCHEDULER.windows, draft_steps=dataclasses.replace(sched.draft_steps, saving_share=None)))
+        windows=COUNTED_SCHEDULER.windows, draft_steps=dataclasses.replace(
+            sched.draft_steps, saving_share=None, max_share=None,
+            rule="fixed" if sched.draft_steps.rule == "value" else sched.draft_steps.rule)))
 
 
-# Share of the rollout time speculation saves that draft training may spend (DraftBudgetConfig.saving_share):
-# the RL presets' default, so online co-training costs at most 15% of what speculation saves at its best and
-# the rest is the user's; where speculation saves nothing, the online draft trains almost never.
-SAVING_SHARE = 0.15
 # Priced updates come few and far between, and a fresh AdamW's first steps move every weight by about
-# the learning rate, which can leave a few updates worse than none: priced co-training warms its
-# learning rate up over this many updates.
+# the learning rate, which can leave a few updates worse than none: co-training warms its learning
+# rate up over this many updates (the swap gate refuses what is worse anyway).
 PRICED_WARMUP = 10
+# Share of the RL step that co-training (draft updates, held-out measurement, feature capture) may
+# take over any 10 steps, whatever the gains: the hard cap of the one co-training configuration.
+COTRAIN_MAX_SHARE = 0.05
+# The budget of the one co-training configuration (specrl/draft_budget.py, rule "value"): updates
+# while the held-out gain they buy, valued in rollout seconds over the next 10 rollouts, exceeds
+# their measured cost; probes of 2 updates where the gain is unknown; the hard cap above.
+VALUE_BUDGET = DraftBudgetConfig(rule="value", base_steps=2, max_share=COTRAIN_MAX_SHARE)
 
 
-def priced(cotrain: CoTrainConfig, share: float | None = SAVING_SHARE) -> CoTrainConfig:
-    """`cotrain` with its draft updates priced by the rollout time speculation saves and a learning-rate
-    warm-up of PRICED_WARMUP updates (share None: unpriced, the warm-up left as it was)."""
+def cotrained(spec: SpecConfig) -> CoTrainConfig:
+    """The one co-training configuration of the RL presets, `bench rl` and the drift experiment,
+    around a model's chain `spec`: adaptive speculation and the run choice, features from the
+    trainer's forward (every 8th answer held out: the swap gate and the budget measure drafts on
+    them), at most 8 updates of 16 sequences per RL step at the online trainer's default learning
+    rate (warmed up over PRICED_WARMUP updates), on the last two policy versions, in the window
+    after the policy update; the value budget decides how many (VALUE_BUDGET), the scheduler's time
+    budget is left wide."""
+    return CoTrainConfig(**adaptive_spec(spec), feature_source="trainer", max_draft_steps=8, recent_versions=2,
+                         online=OnlineDraftConfig(warmup_steps=PRICED_WARMUP),
+                         scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
+                                                   draft_steps=VALUE_BUDGET))
+
+
+def unbudgeted(cotrain: CoTrainConfig) -> CoTrainConfig:
+    """`cotrain` with the cap of draft updates every RL step (rule "fixed", no hard cap): the cost of
+    following the policy whatever it buys (`bench rl`'s online-unpriced arm)."""
     sched = cotrain.scheduler
-    online = cotrain.online
-    if share is not None:
-        online = dataclasses.replace(online, warmup_steps=max(online.warmup_steps, PRICED_WARMUP))
-    return dataclasses.replace(cotrain, online=online, scheduler=dataclasses.replace(
-        sched, draft_steps=dataclasses.replace(sched.draft_steps, saving_share=share)))
+    return dataclasses.replace(cotrain, scheduler=dataclasses.replace(
+        sched, draft_steps=dataclasses.replace(sched.draft_steps, rule="fixed", max_share=None, saving_share=None)))
 
 
 @dataclass
@@ -78,12 +95,13 @@ class RunPreset:
     task_kwargs: dict = field(default_factory=dict)
     task: str = "arith"  # the task a run takes when the command line names none
     context: int = 0  # a real model's tokens of prompt + answer (its KV cache and positions); 0: the model's own
+    bench_steps: int = 20  # `specrl bench rl`'s RL steps per arm when --steps is not given
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     # speculation and online draft training for --spec frozen|online (mode and seed are set per run)
     cotrain: CoTrainConfig = field(default_factory=lambda: CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4))))
 
     def __post_init__(self) -> None:
-        require_positive(self, ("rl_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
+        require_positive(self, ("rl_steps", "bench_steps", "prompts_per_step", "group_size", "max_new_tokens", "eval_prompts",
                                 "eval_samples", "checkpoint_every", "max_batch"), PresetError)
         if self.rl_steps > MAX_RL_STEPS:
             raise PresetError(f"--steps must be at most {MAX_RL_STEPS}, got {self.rl_steps}")
@@ -97,22 +115,13 @@ class RunPreset:
         return dataclasses.replace(self, **{k: v for k, v in kw.items() if v is not None})
 
 
-# Co-training of the drift runs: updates per RL step follow acceptance (specrl/draft_budget.py, rule
-# "acceptance": four while it holds, up to ten while it falls below its best, none once steady), on
-# samples of the last two policy versions, with chains of 6. The time budget is left wide so the
-# rule's count alone decides; what the updates cost is the drift summary's `draft_added_fraction`.
-DRIFT_COTRAIN = CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6)), feature_source="trainer",
-                              max_draft_steps=10,
-                              recent_versions=2, online=OnlineDraftConfig(lr=2e-3, batch_size=24),
-                              scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
-                                                        draft_steps=DraftBudgetConfig(rule="acceptance", base_steps=4,
-                                                                                      deficit_gain=80.0)))
 # A scheduler whose count of updates alone decides: the time budget is left wide, so a busy spell of
 # the machine cannot cut an update and two runs with one seed train alike.
 COUNTED_SCHEDULER = SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",))
 # One update of 12 sequences per RL step, every decision fixed at the start: the CI-sized drift runs and
 # `specrl bench overlap` (the cost of one update, in both scheduler modes).
-DRIFT_COTRAIN_FIXED = reproducible(dataclasses.replace(DRIFT_COTRAIN, max_draft_steps=1, scheduler=COUNTED_SCHEDULER,
+DRIFT_COTRAIN_FIXED = reproducible(dataclasses.replace(cotrained(SpecConfig(mode="chain", gamma=6)), max_draft_steps=1,
+                                                       scheduler=COUNTED_SCHEDULER,
                                                        online=OnlineDraftConfig(lr=1e-3, batch_size=12)))
 
 
@@ -125,27 +134,14 @@ def counted_cotrain(updates_per_step: int) -> CoTrainConfig:
                                       scheduler=COUNTED_SCHEDULER))
 
 
-def acceptance_cotrain(most_per_step: int) -> CoTrainConfig:
-    """Co-training that buys draft updates where acceptance asks for them (specrl/draft_budget.py,
-    rule "acceptance"): one per RL step while the rollouts' accept length holds but is not yet
-    steady, up to `most_per_step` while it falls, none once it has held for 3 steps. Drops of
-    less than 5% count as the noise of one rollout of 128 samples. The count follows acceptance
-    only (the time budget is left wide), so a draft in step with the policy costs nothing but
-    its feature capture."""
-    return CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4)), max_draft_steps=most_per_step,
-                         scheduler=dataclasses.replace(COUNTED_SCHEDULER, draft_steps=DraftBudgetConfig(
-                             rule="acceptance", base_steps=1, tolerance=0.05)))
-
-
 # The real model's offline EAGLE-3 draft: 256 sampled answers (temperature 0.7, up to 96 tokens) to its task's
 # problems, a draft vocabulary of the 2048 tokens most frequent in them, TTT of 4 steps. Sized for the
 # 2-core CPU: with 8192 draft tokens and batches of 16, one training step took several seconds.
 REAL_DRAFT = DraftTrainConfig(n_sequences=256, steps=300, lr=3e-3, batch_size=8, draft_vocab_size=2048, ttt_steps=4,
                               temperature=0.7, max_new_tokens=96)
 
-# Draft updates per RL step with --spec online: ci 2, full 1 (fixed counts), quick 0-2 (acceptance_cotrain),
-# drift 0-10 (DRIFT_COTRAIN).
-DRAFT_UPDATES_PER_STEP = {"ci": 2, "quick": 2, "full": 1, "drift": 1}
+# Draft updates per RL step with --spec online in the CI presets (fixed counts; the others: cotrained).
+DRAFT_UPDATES_PER_STEP = {"ci": 2}
 
 RL_PRESETS: dict[str, RunPreset] = {
     # CI-sized: seconds. Used by the tests.
@@ -164,7 +160,7 @@ RL_PRESETS: dict[str, RunPreset] = {
     "quick": RunPreset(model="quick", sft=SFTConfig(steps=400, batch_size=32, lr=3e-3, n_examples=4000),
                        grpo=GRPOConfig(lr=3e-5), rl_steps=120, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
-                       cotrain=priced(acceptance_cotrain(DRAFT_UPDATES_PER_STEP["quick"]))),
+                       cotrain=cotrained(SpecConfig(mode="chain", gamma=4))),
     # Policy drift on purpose (docs/design.md section 1b): the rare "cols" worked-step style is 5% of the SFT data,
     # so the starting draft (trained on the SFT policy's samples) has seen little of it; a reward
     # bonus for that format moves the policy there during RL, and the later steps sharpen it.
@@ -172,7 +168,7 @@ RL_PRESETS: dict[str, RunPreset] = {
                        grpo=GRPOConfig(lr=2e-4), rl_steps=100, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=64, eval_samples=2, checkpoint_every=10, max_batch=64,
                        task_kwargs={"format_bonus": 1.0, "bonus_rule": "format", "rare_weight": 0.05},
-                       cotrain=priced(DRIFT_COTRAIN)),
+                       cotrain=cotrained(SpecConfig(mode="chain", gamma=6))),
     # The speed benchmarks' deeper target (12 layers, a draft step a few percent of a target step): its
     # offline draft trains longer than the default (the draft's training, not its data, limited its
     # acceptance), and its chains are 6 long, since a cheap draft step makes a longer chain pay.
@@ -180,7 +176,17 @@ RL_PRESETS: dict[str, RunPreset] = {
                        grpo=GRPOConfig(lr=3e-5), rl_steps=60, prompts_per_step=16, group_size=8,
                        max_new_tokens=64, eval_prompts=128, checkpoint_every=5, max_batch=64,
                        draft=DraftTrainConfig(steps=2400, lr=2e-3),
-                       cotrain=priced(CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=6))))),
+                       cotrain=cotrained(SpecConfig(mode="chain", gamma=6))),
+    # Both effects in one run: the 12-layer "speed" model (a draft step a few percent of a target step, so
+    # speculation pays at the RL batch) with the "drift" task's format bonus and learning rate (the rare
+    # worked-step style, 5% of the SFT data, pays a bonus, so the policy moves away from what the starting
+    # draft saw). 40 RL steps cover the move (KL from the start is logged per step).
+    "speed-drift": RunPreset(model="speed", sft=SFTConfig(steps=300, batch_size=32, lr=3e-3, n_examples=4000),
+                             grpo=GRPOConfig(lr=2e-4), rl_steps=40, prompts_per_step=16, group_size=8,
+                             max_new_tokens=64, eval_prompts=64, eval_samples=2, checkpoint_every=10, max_batch=64,
+                             task_kwargs={"format_bonus": 1.0, "bonus_rule": "format", "rare_weight": 0.05},
+                             draft=DraftTrainConfig(steps=2400, lr=2e-3), bench_steps=40,
+                             cotrain=cotrained(SpecConfig(mode="chain", gamma=6))),
     # A real pretrained model (SmolLM2-135M-Instruct, target_training/real_models.py; no SFT warm start: it
     # is an instruction model already) on multi-step word problems (target_training.tasks.WordTask) in its
     # chat template, answers of up to 256 tokens with a long tail (sampled at temperature 0.7: at 1.0 this small
@@ -190,11 +196,11 @@ RL_PRESETS: dict[str, RunPreset] = {
     "real": RunPreset(model="smollm2-135m", task="word", context=448, sft=SFTConfig(),
                       grpo=GRPOConfig(lr=2e-6, minibatch_size=8, temperature=0.7), rl_steps=20, prompts_per_step=8,
                       group_size=4, max_new_tokens=256, temperature=0.7, eval_prompts=16, eval_samples=1, checkpoint_every=10, max_batch=32,
-                      draft=REAL_DRAFT, cotrain=priced(acceptance_cotrain(DRAFT_UPDATES_PER_STEP["quick"]))),
+                      draft=REAL_DRAFT, cotrain=cotrained(SpecConfig(mode="chain", gamma=4))),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),
                       grpo=GRPOConfig(lr=1e-4), rl_steps=200, prompts_per_step=16, group_size=8,
                       max_new_tokens=96, eval_prompts=256, checkpoint_every=10, max_batch=64,
-                      cotrain=priced(counted_cotrain(DRAFT_UPDATES_PER_STEP["full"]))),
+                      cotrain=cotrained(SpecConfig(mode="chain", gamma=4))),
 }
 
 

@@ -86,6 +86,15 @@ class RunChoice:
                 return
             self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
 
+    def recheck_now(self) -> None:
+        """Time the arm not chosen again now (one block), not at the next periodic re-check: the
+        owner has a reason to expect the choice to change (a draft that got better or went stale).
+        Nothing happens before the first choice or while a block is being timed."""
+        if self.speculate is None or self.queue:
+            return
+        self.since = 0
+        self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+
     def _sure(self) -> bool:
         e = self.estimated
         return (self.sure is not None and len(e) == self.rollouts

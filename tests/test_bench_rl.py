@@ -59,7 +59,8 @@ def test_ratios_are_the_rows_medians(bench):
         assert m["step_speedup"] == pytest.approx(off / m["step_s"])
         assert m["total_step_speedup"] == pytest.approx(sum(r["step_s"] for r in rows["off"])
                                                         / sum(r["step_s"] for r in rows[a]))
-    assert arms["off"]["cotrain_share"] == 0.0 and arms["frozen"]["cotrain_share"] == 0.0
+    assert arms["off"]["cotrain_share"] == 0.0
+    assert arms["frozen"]["cotrain_share"] > 0.0  # its held-out answers captured and measured each step
     assert arms["online"]["cotrain_share"] > 0.0  # the online arm trains its draft, in the step
     assert arms["off"]["spec_step_fraction"] == 0.0
     assert arms["online-fixed"]["spec_step_fraction"] == 1.0  # the fixed chain speculates at every step

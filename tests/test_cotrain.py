@@ -250,29 +250,26 @@ def test_the_wait_window_trains_one_update_at_a_time_while_the_batch_is_pending(
     assert off.train_while(lambda: True) == 0 and off.draft_trainer.version == 0
 
 
-def test_quick_presets_cotraining_runs_every_update_acceptance_grants(sft_policy, tmp_path):
-    """The `quick` preset's co-training settings (on the CI model, for speed): one update in the
-    first step, never more than DRAFT_UPDATES_PER_STEP["quick"], and every update the
-    acceptance-driven budget grants runs (the time budget never cuts one: with the old 5% budget
-    the draft got almost none)."""
+def test_the_one_cotraining_configuration_measures_gates_and_buys_updates_in_an_rl_run(sft_policy, tmp_path):
+    """The RL presets' co-training (presets.cotrained, on the CI model for speed): every step
+    reports the serving draft's held-out expected accept length, every trained draft went through
+    the gate, and the value budget's count is what ran, within the cap."""
     import dataclasses
 
-    from specrl.presets import DRAFT_UPDATES_PER_STEP, SAVING_SHARE, get_preset, priced
+    from specrl.presets import cotrained, get_preset
 
-    quick = get_preset("quick").cotrain
-    assert quick.scheduler.draft_steps.saving_share == SAVING_SHARE  # priced in the preset
-    # the count rule alone: pricing reads measured step times, which the machine's load moves
-    preset = dataclasses.replace(get_preset("ci"), cotrain=priced(quick, None))
-    assert preset.cotrain.scheduler.draft_steps.rule == "acceptance"
+    cotrain = get_preset("quick").cotrain
+    assert cotrain == cotrained(cotrain.spec) and cotrain.scheduler.draft_steps.rule == "value"
+    preset = dataclasses.replace(get_preset("ci"), cotrain=cotrain)
     train_rl("arith", preset, tmp_path / "r", seed=3, steps=4, cache_dir=sft_policy[3], progress=False,
              spec="online", log=lambda *a: None)
     rows = _rows(tmp_path / "r")
-    n = DRAFT_UPDATES_PER_STEP["quick"]
     steps = [r["train/draft_steps"] for r in rows]
-    assert steps[0] == 1 and all(0 <= k <= n for k in steps)
-    assert steps == [r["sched/draft_steps_budget"] for r in rows]
-    versions = [r["train/draft_version"] for r in rows]
-    assert versions == [sum(steps[:i + 1]) for i in range(4)]
+    assert all(r["sched/heldout_accept_length"] > 1.0 for r in rows)
+    assert steps[0] == cotrain.scheduler.draft_steps.base_steps  # the gain is unknown: a probe
+    assert all(0 <= k <= cotrain.max_draft_steps for k in steps)
+    assert rows[-1]["train/draft_gated_total"] >= sum(k > 0 for k in steps)  # every burst was gated
+    assert all(r["perf/draft_heldout_s"] > 0 for r in rows)
 
 
 def test_adaptive_budget_reads_acceptance_at_the_configured_chain(tiny_model):
@@ -352,20 +349,29 @@ def test_hot_swap_keeps_the_controllers_measurements(sft_policy, offline_draft):
     assert ctrl.state_dict() == before
 
 
-def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_model):
-    """On an engine that speculates per run (vLLM), once plain decoding is kept a priced online
-    co-trainer earns no credit, so it runs no draft update and its hook in the trainer's forward
-    stops capturing features; before the decision it captures as usual."""
-    from types import SimpleNamespace
+class _FreeSwitchEngine(PerRunEngine):
+    """PerRunEngine whose switch is free (the embedded engine's), recording pushed drafts."""
 
+    from rollout.protocol import EngineCapabilities
+
+    capabilities = EngineCapabilities(drafters=("eagle3",), switch="free")
+
+    def __init__(self):
+        super().__init__()
+        self.pushed = []
+
+    def push_draft(self, weights, version):
+        self.pushed.append(version)
+
+
+def _heldout_cotrainer(tiny_model, budget, **kw):
+    """An online co-trainer on a free-switch engine, its buffer and held-out slice filled from a
+    trainer-forward hook on random sequences."""
     import torch
 
-    from rollout.protocol import Rollout, RolloutStats
-    from specrl.config import CoTrainConfig, DraftTrainConfig
+    from specrl.config import CoTrainConfig, DraftTrainConfig, SchedulerConfig
     from specrl.cotrain import SpecCoTrainer
     from specrl.drafts import new_draft
-    from specrl.presets import priced
-    from specrl.run_choice import RunChoice
 
     class Trainer:
         def __init__(self):
@@ -375,26 +381,110 @@ def test_a_run_choice_of_plain_decoding_stops_priced_training_and_capture(tiny_m
             self.hooks.append(hook)
 
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
-    engine, trainer = PerRunEngine(), Trainer()
-    cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(engine, trainer)
-    assert isinstance(cot.run_choice, RunChoice) and len(trainer.hooks) == 1
-    ids = torch.randint(3, 64, (2, 12))
+    engine, trainer = _FreeSwitchEngine(), Trainer()
+    kw = {"max_draft_steps": 4} | kw
+    cfg = CoTrainConfig(mode="online", adaptive=True, min_buffer_records=4, heldout_every=2,
+                        scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
+                                                  draft_steps=budget), **kw)
+    cot = SpecCoTrainer(draft, cfg).attach(engine, trainer)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, (8, 16), generator=gen)
     out = tiny_model(ids, tap_layers=draft.cfg.aux_layer_ids)
-    mask = torch.zeros(2, 12, dtype=torch.bool)
+    mask = torch.zeros(8, 16, dtype=torch.bool)
     mask[:, 6:] = True
     trainer.hooks[0](ids, out, mask)
-    assert len(cot.buffer) > 0  # undecided: captured
-    captured = len(cot.buffer)
-    choice = cot.run_choice
-    for arm in ["spec"] * 6 + ["plain"] * 5:  # the default 3 rollouts after 3 left out, per block
-        choice.record(arm, 1000, 10.0 if arm == "spec" else 9.0)  # speculating is the slower
+    assert len(cot.buffer) == 4 and len(cot.buffer.heldout) == 4
+    return cot, engine
+
+
+def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_serving_one(tiny_model, monkeypatch):
+    """A burst that makes the draft worse on the held-out sequences (planted: its weights are
+    scrambled) is refused: nothing is pushed, the refusal is counted, and the trainer's weights are
+    the serving draft's again. A burst that does not make it worse serves."""
+    import torch
+
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=1)
+    serving = {k: v.clone() for k, v in cot._serving.state_dict().items()}
+
+    def scramble(*a, **k):
+        with torch.no_grad():
+            for p in cot.draft_trainer.draft.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn_like(p) * 3.0)
+        cot.draft_trainer.version += 1
+        return {"steps": 1, "seconds": 0.01}
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", scramble)
     cot.begin_step()
-    assert engine.switched[-1] is False  # the co-trainer switches the engine as the choice says
-    cot.on_rollout(Rollout([SimpleNamespace(spec=None)], RolloutStats(9.0, 1000)))  # the last timed plain rollout
-    assert choice.speculate is False
-    trainer.hooks[0](ids, out, mask)
-    assert len(cot.buffer) == captured  # plain for good and priced: nothing captured
-    assert cot.budget.steps(8) == 0 and cot.metrics()["rollout/spec_run_choice"] == 0
+    m = cot.end_step()
+    assert m["train/draft_refused"] == 1 and m["train/draft_refused_total"] == 1 and engine.pushed == []
+    assert m["sched/candidate_accept_length"] < m["sched/gate_serving_accept_length"]
+    assert all(torch.equal(v, serving[k]) for k, v in cot.draft_trainer.draft.state_dict().items())
+
+    def nudge(*a, **k):  # an update that leaves the draft as it was (no worse on any data)
+        cot.draft_trainer.version += 1
+        return {"steps": 1, "seconds": 0.01}
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", nudge)
+    cot.begin_step()
+    m = cot.end_step()
+    assert "train/draft_refused" not in m and engine.pushed == [cot.draft_trainer.version]
+
+
+def test_a_stale_draft_trains_while_plain_decoding_is_chosen_and_speculation_comes_back_once_it_pays(
+        tiny_model, monkeypatch):
+    """Speculation was switched off for the run (the draft went stale: plain is faster). The
+    trainer's forward still captures features, the value budget still buys updates (each raises
+    the held-out accept length: a stand-in measurement, so the test controls the gain), and once
+    the serving draft's held-out acceptance predicts that speculation pays, speculation is timed
+    again at the next rollout rather than at the next periodic re-check."""
+    from types import SimpleNamespace
+
+    from rollout.protocol import Rollout, RolloutStats
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="value", base_steps=2))
+    value = {"serving": 1.4}
+
+    def trained(*a, **k):
+        cot.draft_trainer.version += 2
+        return {"steps": 2, "seconds": 0.01}
+
+    def heldout(draft):  # +0.3 accept length per trained burst, for the trainer's draft
+        return value["serving"] + (0.3 if draft is cot.draft_trainer.draft else 0.0)
+
+    def push(weights, version):
+        value["serving"] += 0.3
+        engine.pushed.append(version)
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", trained)
+    monkeypatch.setattr(cot, "_heldout_value", heldout)
+    monkeypatch.setattr(engine, "push_draft", push)
+    choice = cot.run_choice
+    # speculation timed at 10 s per 1000 tokens with accept length 1.4, plain at 5 s: plain is chosen
+    # (a verify step costs 1.4 x 10 / 1000 s, so speculation pays from accept length 2.8 on, by the
+    # run choice's margin of 1.05 from 2.94)
+    spec = SimpleNamespace(spec=None)
+    for arm in ["spec"] * 6 + ["plain"] * 6:
+        cot.begin_step()
+        cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
+        cot.budget.observe_rollout(1000, 10.0, True, 1.4, None) if arm == "spec" else None
+        cot.end_step(train=False)
+    assert choice.speculate is False and not choice.queue
+    trained_while_plain, back, pays_from = 0, None, None
+    for step in range(8):  # within the periodic re-check's wait (ControllerConfig.run_recheck = 10)
+        cot.begin_step()
+        if engine.switched[-1]:
+            back = step
+            break
+        cot.on_rollout(Rollout([spec], RolloutStats(5.0, 1000, speculated=False)))
+        trained_while_plain += cot.end_step()["train/draft_steps"]
+        if pays_from is None and value["serving"] > 2.8 * 1.05:
+            pays_from = step
+    assert trained_while_plain > 0 and pays_from is not None
+    assert back == pays_from + 1, "speculation did not come back as soon as the draft paid"
 
 
 def test_the_embedded_engine_speculates_or_not_per_rollout_as_its_run_choice_says(sft_policy, offline_draft):
@@ -444,10 +534,11 @@ def test_the_run_choice_times_the_rollout_without_the_draft_training_in_its_tail
     from rollout.protocol import Rollout, RolloutStats
     from specrl.config import CoTrainConfig, DraftTrainConfig
     from specrl.drafts import new_draft
-    from specrl.presets import priced
+    from specrl.config import DraftBudgetConfig, SchedulerConfig
 
     draft = new_draft(tiny_model, [[3, 4, 5, 6]], DraftTrainConfig(draft_vocab_size=64))
-    cot = SpecCoTrainer(draft, priced(CoTrainConfig(mode="online", adaptive=True))).attach(PerRunEngine())
+    priced = SchedulerConfig(draft_steps=DraftBudgetConfig(saving_share=0.15))
+    cot = SpecCoTrainer(draft, CoTrainConfig(mode="online", adaptive=True, scheduler=priced)).attach(PerRunEngine())
     choice = cot.run_choice
     for arm in ["spec"] * 6 + ["plain"] * 6:  # 3 warm-up and 3 timed rollouts per block
         cot.begin_step()

@@ -280,3 +280,39 @@ def test_train_offline_learns_a_random_target_on_repeating_sequences():
     acc0 = sum(h["acc_0"] for h in hist[-5:]) / 5
     assert acc0 > 0.9, [h["acc_0"] for h in hist[-5:]]
     assert sum(h["acc_1"] for h in hist[-5:]) / 5 > 0.7
+
+
+def test_expected_accept_length_is_the_chained_product_of_per_step_acceptance(monkeypatch):
+    """draft_models.ttt.expected_accept_length on planted draft outputs: a draft equal to the
+    target accepts every proposal inside the answer (E_t = 1 + the answer tokens left, up to
+    gamma); a uniform draft accepts sum_x min(p, 1/V) per step, chained as 1 + a + a^2 + ...;
+    greedy counts argmax agreements. Rows are those whose first proposal is an answer token."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import draft_models.ttt as ttt
+
+    B, T, V, gamma = 1, 8, 4, 3
+    logp = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0, 0.0]]).expand(B, T, V).clone(), -1)
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    mask[:, 3:] = True  # answer tokens x_3..x_7
+    draft = SimpleNamespace(cfg=SimpleNamespace(draft_vocab_size=V))
+    ids, feats = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, 6)
+
+    def planted(logits):
+        monkeypatch.setattr(ttt, "ttt_unroll", lambda d, f, i, steps: [(None, logits)] * steps)
+
+    planted(logp.clone())  # q = p
+    e, depth = ttt.expected_accept_length(draft, feats, ids, logp, mask, gamma)
+    # rows t = 1..5 (first proposal x_{t+2} in the answer); steps left inside the sequence: min(gamma, T-2-t)
+    assert e == pytest.approx(sum(1 + min(gamma, T - 2 - t) for t in range(1, 6)) / 5)
+    planted(torch.zeros(B, T, V))  # uniform q
+    a = float(torch.minimum(logp[0, 0].exp(), torch.full((V,), 1 / V)).sum())
+    e, _ = ttt.expected_accept_length(draft, feats, ids, logp, mask, gamma)
+    want = [1 + sum(a ** (k + 1) for k in range(min(gamma, T - 2 - t))) for t in range(1, 6)]
+    assert e == pytest.approx(sum(want) / 5)
+    wrong = torch.zeros(B, T, V)
+    wrong[..., 1] = 5.0  # greedy: the draft's argmax is never the target's
+    planted(wrong)
+    assert ttt.expected_accept_length(draft, feats, ids, logp, mask, gamma, greedy=True)[0] == 1.0

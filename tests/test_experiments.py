@@ -160,14 +160,21 @@ def test_speed_sweep(sft_policy, tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(DRIFT_PRESETS))
-def test_every_drift_preset_fixes_its_decisions_at_the_start(name):
-    """The drift experiment's co-training decides nothing from measured times (the same seed gives
-    the same online draft, test_drift_same_seed_same_summary on `ci`): the chain at every step, a
-    wide time budget for a count of updates, no pricing. An adaptive controller or a time share
-    would make the online draft follow the machine's load."""
+def test_drift_presets_cotrain_as_the_rl_presets_do_or_fix_every_decision(name):
+    """The drift experiment's online arm co-trains with the RL presets' one configuration
+    (presets.cotrained), so what it shows is what train-rl and bench rl get; the CI presets decide
+    nothing from measured times instead (the same seed gives the same online draft,
+    test_drift_same_seed_same_summary on `ci`): the chain at every step, a wide time budget for a
+    count of updates, no pricing."""
+    from specrl.presets import cotrained
+
     cot = get_drift_preset(name).rl.cotrain
-    assert cot.adaptive is False and cot.scheduler.draft_steps.saving_share is None
-    assert cot.scheduler.min_budget_s >= 3600 and cot.scheduler.windows == ("between",)
+    if name.startswith("ci"):
+        assert cot.adaptive is False and cot.scheduler.draft_steps.saving_share is None
+        assert cot.scheduler.draft_steps.rule == "fixed" and cot.scheduler.draft_steps.max_share is None
+        assert cot.scheduler.min_budget_s >= 3600 and cot.scheduler.windows == ("between",)
+    else:
+        assert cot == cotrained(cot.spec)
 
 
 def test_full_and_quick_presets_track_the_reference_at_every_point():

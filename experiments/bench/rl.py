@@ -7,9 +7,9 @@ rotating from segment to segment, all in one process:
   off           speculation off: the yardstick
   frozen        speculation with the starting offline draft, never trained
   online        speculation with the draft co-trained online (the preset's co-training)
-  online-unpriced  online with draft updates not priced by the rollout time speculation saves
-                (the RL presets price them, presets.SAVING_SHARE): the cost of following the
-                policy whatever it saves
+  online-unpriced  online with the cap of draft updates every step (presets.unbudgeted), where
+                the RL presets buy updates by their held-out gain (presets.cotrained): the cost
+                of following the policy whatever it buys
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -39,6 +39,9 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
   step_speedup             median step_s of off / of the arm (rollout_speedup: the same for rollout)
   engine_steps             median engine steps per rollout (every arm emits the same tokens)
   accept_length_curve      the accept length of every step, warm-up included
+  accept_length_heldout_curve  the serving draft's expected accept length on held-out answers of
+                           every step, whether or not speculation served it; heldout_end_over_start:
+                           its mean over the last 3 steps over the first 3
   cotrain_share            median over steps of (feature capture + draft training) / step_s
   segment_step_speedups    the same ratio within each segment (its spread is the ratio's noise)
 
@@ -61,14 +64,13 @@ import statistics
 from pathlib import Path
 
 from experiments.bench.common import length_distribution, machine_info, turn_order
-from specrl.presets import get_preset, priced
+from specrl.presets import get_preset, unbudgeted
 from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
 
 ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "history", "hybrid",
         "history-sib", "history-past", "hybrid-tree")
 DEFAULT_ARMS = ("off", "frozen", "online")
-DEFAULT_STEPS = 20  # RL steps per arm: four segments of 5, enough for a median of each
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
 # a step row's parts (seconds), in the order of the plot's stacked bars
 PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
@@ -97,7 +99,7 @@ def arm_setup(arm: str, preset):
     if arm.endswith("-fixed"):
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
     if arm.endswith("-unpriced"):
-        preset = dataclasses.replace(preset, cotrain=priced(preset.cotrain, None))
+        preset = dataclasses.replace(preset, cotrain=unbudgeted(preset.cotrain))
     return mode, preset
 
 
@@ -134,7 +136,7 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     base = get_preset(preset_name).with_overrides(prompt_pool=prompt_pool)
     for a in arms:
         arm_setup(a, base)
-    n_steps = steps or DEFAULT_STEPS
+    n_steps = steps or base.bench_steps  # the preset's (20: four segments of 5, a median of each)
     if segment < 1 or warmup < 0 or warmup >= n_steps:
         raise ValueError(f"bench rl needs --segment >= 1 and 0 <= --warmup < steps, got {segment}, {warmup}, {n_steps}")
     out = Path(out_dir)
@@ -222,6 +224,13 @@ def _median(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _end_over_start(curve: list[float], k: int = 3) -> float | None:
+    """Mean of the last k values over the mean of the first k (None: fewer than 2k values)."""
+    if len(curve) < 2 * k:
+        return None
+    return (sum(curve[-k:]) / k) / (sum(curve[:k]) / k)
+
+
 def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens: int = 0) -> dict:
     """One engine's arms: medians of the step parts over the timed steps, ratios over `off`,
     the segment-wise ratios (noise), and the projection (see the module docstring)."""
@@ -254,11 +263,22 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["spec_step_fraction"] = (sum(r.get("rollout/spec_steps") or 0 for r in rs) / steps) if steps else None
         m["engine_steps"] = _median(r.get("rollout/engine_steps") for r in rs)  # same tokens: fewer steps, less work
         m["accept_length_curve"] = [r.get("rollout/spec_accept_length") for r in rows[a]]  # every step, in order
+        # the serving draft's expected accept length on held-out answers of that step, whether or not
+        # speculation served it (draft_models.ttt.expected_accept_length)
+        m["accept_length_heldout_curve"] = [r.get("sched/heldout_accept_length") for r in rows[a]]
+        held = [x for x in m["accept_length_heldout_curve"] if x is not None]
+        m["heldout_end_over_start"] = _end_over_start(held)
+        if any("train/draft_refused_total" in r for r in rows[a]):
+            m["draft_refused"] = max(r.get("train/draft_refused_total") or 0 for r in rows[a])
+            m["draft_gated"] = max(r.get("train/draft_gated_total") or 0 for r in rows[a])
+            m["run_rechecks"] = [(r["step"], r["sched/run_recheck"]) for r in rows[a] if r.get("sched/run_recheck")]
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
         if any("train/draft_steps" in r for r in rs):  # an arm that trains its draft: what its budget bought, and why
             m["draft_updates"] = sum(r.get("train/draft_steps") or 0 for r in rs)
-            m["draft_budget"] = {"priced": any(r.get("sched/draft_credit_s") is not None for r in rs),
+            m["draft_budget"] = {"valued": any("sched/value_training" in r for r in rs),
+                                 "heldout_saving_s": _median(r.get("sched/heldout_saving_s") for r in rs),
+                                 "priced": any(r.get("sched/draft_credit_s") is not None for r in rs),
                                  "saving_s": _median(r.get("sched/spec_saving_s") for r in rs),
                                  "granted_per_step": _median(r.get("sched/draft_steps_budget") for r in rs)}
         if (choice := choice_history(rows[a])) is not None:  # speculation chosen per rollout
@@ -308,6 +328,14 @@ def report(summary: dict) -> list[str]:
                          f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}"
                          f"{m['total_step_speedup']:>9.3f}  {spread}")
         lines += [f"  {a}: {describe(m['run_choice'])}" for a, m in s["arms"].items() if m.get("run_choice")]
+        for a, m in s["arms"].items():
+            held = [x for x in m.get("accept_length_heldout_curve", []) if x is not None]
+            if held:
+                ratio = m.get("heldout_end_over_start")
+                gate = (f", {m['draft_refused']} of {m['draft_gated']} trained drafts refused by the gate"
+                        if "draft_refused" in m else "")
+                lines.append(f"  {a}: held-out expected accept length {held[0]:.2f} -> {held[-1]:.2f}"
+                             + (f" (end/start {ratio:.3f})" if ratio is not None else "") + gate)
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
@@ -336,7 +364,11 @@ def legend(summary: dict) -> list[str]:
             if "draft_updates" not in m:
                 continue
             b = m.get("draft_budget") or {}
-            if b.get("priced"):
+            if b.get("valued"):
+                why = "valued: bought while their held-out gain saves more rollout time than they cost" + (
+                    f", {b['heldout_saving_s']:.3f}s saved per rollout at the serving draft's held-out acceptance "
+                    f"(median)" if b.get("heldout_saving_s") is not None else "")
+            elif b.get("priced"):
                 why = "priced: bought with the rollout time speculation saves" + (
                     f", {b['saving_s']:.3f}s saved per rollout (median)" if b.get("saving_s") is not None else "")
             else:

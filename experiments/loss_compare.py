@@ -1,0 +1,134 @@
+"""Which loss should the online draft train with? The TTT cross-entropy against CE plus a
+TV-distance term (an LK-style hybrid), at equal data and equal updates.
+
+    python -m experiments.loss_compare --preset speed --seed 0 --out runs/loss-speed-0
+
+Terms. The cross-entropy objective ("ce") is `draft_models.ttt.ttt_loss` as the co-trainer uses
+it: soft cross-entropy against the target's distribution restricted to the draft vocabulary, per
+TTT step. The hybrid ("ce+tv") subtracts `weight` times the expected per-step acceptance
+sum_x min(p(x), q(x)) = 1 - TV(p, q) (OnlineDraftConfig.acceptance_weight): the quantity
+rejection sampling accepts, which TV- and LK-style draft losses optimise directly.
+
+How. One RL run of the preset (`specrl.train_rl`, its co-training told to train nothing, the
+preset's chain at every engine step so that every arm is measured at that chain) runs
+`rl_steps` steps, so the policy moves and the trainer's forward fills the feature buffer with
+on-policy features and the held-out slice (every 8th answer, never trained on). Then two copies
+of the starting draft train `updates` updates each on those records, with one sampling seed (the
+same batches in the same order), one per objective. Each is measured on the held-out answers
+(expected accept length at the preset's chain, draft_models.ttt.expected_accept_length) and by
+decoding the preset's evaluation prompts with the run's engine at the rollout temperature
+(measured accept length; the tokens are the same in every arm, speculation being lossless).
+The starting draft is measured the same way. Prints and writes DIR/summary.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+OBJECTIVES = {"ce": 0.0, "ce+tv": 1.0}  # name -> acceptance_weight
+
+
+def measure(run, draft, prompts, params, ids) -> dict:
+    """A draft's held-out expected accept length and its measured accept length on `prompts`."""
+    from draft_models.checkpoint import draft_state_dict_for_sglang
+    from draft_models.train import collate
+    from draft_models.ttt import expected_accept_length
+    from rollout.protocol import summarize_spec_stats
+
+    held = run.cotrain.buffer.heldout
+    w = draft.fc.weight
+    batch = collate(held, w.device, w.dtype, soft=True)
+    draft.eval()
+    expected, depth = expected_accept_length(draft, batch["features"], batch["input_ids"], batch["target_logp"],
+                                             batch["loss_mask"], run.preset.cotrain.spec.gamma)
+    weights = {k: v.detach().cpu().clone() for k, v in draft_state_dict_for_sglang(draft).items()}
+    run.engine.set_speculation(True)
+    run.engine.push_draft(weights, run.engine.draft_version + 1)
+    out = run.engine.generate(prompts, params, request_ids=ids)
+    agg = summarize_spec_stats(t.spec for t in out)
+    return {"heldout_expected_accept_length": expected, "heldout_accept_per_depth": depth,
+            "measured_accept_length": agg["accept_length"], "tokens": sum(len(t.token_ids) for t in out),
+            "answers": [list(t.token_ids) for t in out]}
+
+
+def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: int = 6, updates: int = 64,
+            cache_dir=None, log=print) -> dict:
+    from specrl.online_trainer import OnlineDraftTrainer
+    from specrl.presets import get_preset
+    from specrl.rl_setup import encode_prompts, rollout_params
+    from specrl.train_rl import rl_step, start_run
+
+    out = Path(out_dir)
+    if (out / "summary.json").exists():
+        raise FileExistsError(f"{out} already holds a loss comparison (summary.json); choose another --out")
+    base = get_preset(preset_name)
+    preset = dataclasses.replace(base, rl_steps=rl_steps,
+                                 cotrain=dataclasses.replace(base.cotrain, max_draft_steps=0, buffer_bytes=512 << 20,
+                                                             adaptive=False))  # the chain at every step
+    run, _, _ = start_run(task, preset, out / "rl", seed=seed, resume=False, steps=None, cache_dir=cache_dir,
+                          progress=False, spec="online", engine="embedded", log=log, evaluate_start=False)
+    for step in range(rl_steps):
+        row = rl_step(run, step)
+        log(f"[loss] RL step {step}: reward {row['reward']:.3f}, kl_ref {row.get('kl_ref', 0.0):.4f}")
+    start = copy.deepcopy(run.cotrain.draft)
+    examples = run.heldout[:32]
+    prompts = encode_prompts(run.tokenizer, examples)
+    params = rollout_params(preset, run.tokenizer, seed)
+    ids = list(range(10_000, 10_000 + len(prompts)))
+    records = len(run.cotrain.buffer)
+    result = {"task": task, "preset": preset_name, "seed": seed, "rl_steps": rl_steps, "updates": updates,
+              "train_records": records, "heldout_records": len(run.cotrain.buffer.heldout),
+              "gamma": preset.cotrain.spec.gamma, "arms": {}}
+    result["arms"]["start"] = measure(run, copy.deepcopy(start), prompts, params, ids)
+    for name, weight in OBJECTIVES.items():
+        draft = copy.deepcopy(start)
+        trainer = OnlineDraftTrainer(draft, dataclasses.replace(preset.cotrain.online, acceptance_weight=weight))
+        gen = torch.Generator().manual_seed(seed)
+        losses = [trainer.train_step(run.cotrain.buffer, gen)["draft_loss"] for _ in range(updates)]
+        m = measure(run, draft, prompts, params, ids)
+        m["loss_first"], m["loss_last"] = losses[0], losses[-1]
+        result["arms"][name] = m
+    answers = [m.pop("answers") for m in result["arms"].values()]
+    result["same_tokens"] = all(a == answers[0] for a in answers)
+    run.engine.shutdown()
+    for name, m in result["arms"].items():
+        log(f"[loss] {name:<6} held-out expected accept length {m['heldout_expected_accept_length']:.3f}, "
+            f"measured {m['measured_accept_length']:.3f}")
+    from experiments.bench.common import machine_info
+
+    result["machine"] = machine_info()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="speed")
+    ap.add_argument("--task", default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rl-steps", type=int, default=6)
+    ap.add_argument("--updates", type=int, default=64)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    from specrl.presets import PresetError, get_preset
+
+    try:
+        task = a.task or get_preset(a.preset).task
+        if a.rl_steps < 1 or a.updates < 1:
+            raise ValueError(f"--rl-steps and --updates must be >= 1, got {a.rl_steps}, {a.updates}")
+        compare(task, a.preset, a.out, seed=a.seed, rl_steps=a.rl_steps, updates=a.updates)
+    except (PresetError, ValueError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
