@@ -417,6 +417,7 @@ class SpecCoTrainer:
         if cand >= serve * (1.0 - self.config.gate_tolerance):
             self._gate["accepted"] += 1
             self.heldout = cand
+            self.budget.observe_heldout(cand)
             return True
         self._gate["refused"] += 1
         self._gate_step["train/draft_refused"] = self._gate_step.get("train/draft_refused", 0) + 1
@@ -535,9 +536,10 @@ class SpecCoTrainer:
         to swap into, and that is not a fault."""
         if self.engine is None:
             return
+        t_sync = time.perf_counter()  # the gate's measurements count as the swap's cost
         if not self._gate_passes():
+            self._sync_s += time.perf_counter() - t_sync
             return
-        t_sync = time.perf_counter()
         version = self.draft_trainer.version
         try:
             weights = self.draft_trainer.export_weights()
