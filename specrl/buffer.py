@@ -208,6 +208,11 @@ class FeatureBuffer:
         self.heldout = (self.heldout + [rec])[-self.heldout_records:] if self.heldout_records else []
 
     @property
+    def rows_seen(self) -> int:
+        """Rows the trainer's forward has offered so far (held-out sequences change only with it)."""
+        return self._rows
+
+    @property
     def heldout_version(self) -> int | None:
         """The newest policy version among the held-out sequences (None: none held out yet)."""
         return max((r["policy_version"] for r in self.heldout), default=None)

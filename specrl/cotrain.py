@@ -87,6 +87,8 @@ class SpecCoTrainer:
         self._gate = {"refused": 0, "accepted": 0}  # swap gate decisions since the start
         self._gate_step: dict = {}  # this step's gate figures
         self._serving = None  # online: a copy of the serving draft (the gate's yardstick)
+        self._serving_value = (None, None)  # (held-out rows seen, the serving draft's value on them)
+        self._candidate = None  # the gated candidate's held-out value, until it serves
         self._updates_since_push = 0
         self._recheck = None  # "spec" or "plain": the run choice re-timed because of the draft
         self._choice_heldout = None  # held-out accept length when the run choice was last made or re-timed
@@ -389,13 +391,22 @@ class SpecCoTrainer:
         (those the trainer's forward captured in this step), for the budget and the metrics."""
         if self.draft is None or not self.config.heldout_every:
             return
-        serving = self._serving if self._serving is not None else self.draft
         try:
-            self.heldout = self._heldout_value(serving)
+            self.heldout = self._serving_heldout()
         except Exception as err:  # a measurement failure never stops the RL run
             self._on_draft_error(err)
             self.heldout = None
         self.budget.observe_heldout(self.heldout)
+
+    def _serving_heldout(self) -> float | None:
+        """The serving draft's held-out value, measured once per set of held-out sequences (the
+        trainer's forward adds some every step; the serving draft changes only through the gate,
+        which then knows its value)."""
+        rows, value = self._serving_value
+        if rows != self.buffer.rows_seen:
+            value = self._heldout_value(self._serving if self._serving is not None else self.draft)
+            self._serving_value = (self.buffer.rows_seen, value)
+        return value
 
     def _gate_passes(self) -> bool:
         """The swap gate: the trained candidate serves only if its held-out expected accept length
@@ -404,9 +415,10 @@ class SpecCoTrainer:
         if self._serving is None or not self.buffer.heldout:
             return True
         updates, self._updates_since_push = self._updates_since_push, 0
+        self._candidate = None
         try:
             cand = self._heldout_value(self.draft_trainer.draft)
-            serve = self._heldout_value(self._serving)
+            serve = self._serving_heldout()
         except Exception as err:
             self._on_draft_error(err)
             return False
@@ -416,8 +428,7 @@ class SpecCoTrainer:
         self._gate_step = {"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve}
         if cand >= serve * (1.0 - self.config.gate_tolerance):
             self._gate["accepted"] += 1
-            self.heldout = cand
-            self.budget.observe_heldout(cand)
+            self._candidate = cand  # its value, once it serves (_push_weights)
             return True
         self._gate["refused"] += 1
         self._gate_step["train/draft_refused"] = self._gate_step.get("train/draft_refused", 0) + 1
@@ -556,8 +567,12 @@ class SpecCoTrainer:
         finally:
             self._sync_s += time.perf_counter() - t_sync
         self._engine_version = version
-        if self._serving is not None:  # the gate's yardstick is now this draft
+        if self._serving is not None:  # the gate's yardstick is now this draft, whose value the gate knows
             self._serving.load_state_dict(self.draft_trainer.draft.state_dict())
+            if self._candidate is not None:
+                self.heldout, self._serving_value = self._candidate, (self.buffer.rows_seen, self._candidate)
+                self.budget.observe_heldout(self._candidate)
+        self._candidate = None
         # the controller keeps its acceptance estimates across the swap: its EMAs follow the new draft
         # within a few steps, where forgetting them made it re-explore every arm, plain decoding
         # included, after every update (every rollout, at one update per RL step)
@@ -650,6 +665,7 @@ class SpecCoTrainer:
         self._choice_heldout = state.get("choice_heldout")
         if self._serving is not None:  # the gate's yardstick: the draft the engine serves
             copy_draft_weights(self._serving, self.engine.draft_weights()[0])
+        self._serving_value = (None, None)
 
     def _restore_engine_draft(self, state: dict) -> int:
         """Push the checkpoint's engine draft; a non-finite one is replaced by the trainer's (or the

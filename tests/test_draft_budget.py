@@ -248,3 +248,67 @@ def test_priced_state_round_trip():
 def test_bad_saving_share_is_refused(share):
     with pytest.raises(ValueError, match="saving_share"):
         DraftBudgetConfig(saving_share=share)
+
+
+# ---------------------------------------------------------------- rule "value"
+def _valued(**kw):
+    b = DraftBudget(DraftBudgetConfig(rule="value", base_steps=2, **kw))
+    # plain: 5 s per 1000 tokens; speculating: 2.5 s per 1000 tokens at accept length 2 (a verify step's cost)
+    b.observe_rollout(1000, 5.0, False, None, None)
+    b.observe_rollout(1000, 2.5, True, 2.0, None)
+    return b
+
+
+def test_the_value_rule_probes_while_the_gain_is_unknown_then_trains_while_the_gain_pays():
+    b = DraftBudget(DraftBudgetConfig(rule="value", base_steps=2))
+    assert b.steps(8) == 2  # nothing measured: a probe
+    b = _valued()
+    b.observe_heldout(2.0)
+    assert b.steps(8) == 2  # the gain per update is not measured yet: a probe
+    b.spend(1.0, 2)  # 0.5 s per update
+    b.observe_gain(0.2, 2)  # +0.1 accept length per update: 8 updates save ~0.8 s per rollout for 10 rollouts
+    assert b.steps(8) == 8
+    assert b.value_s(3.0) == pytest.approx(1000 * (0.005 - 0.005 / 3.0))
+
+
+def test_the_value_rule_stops_when_the_gain_flattens_and_starts_again_when_held_out_acceptance_falls():
+    b = _valued()
+    b.observe_heldout(2.0)
+    b.spend(1.0, 2)
+    b.observe_gain(0.0001, 2)  # the draft has stopped improving
+    assert b.steps(8) == 0
+    b.close_step(8)
+    assert b.heldout_stop == 2.0 and b.metrics(8)["sched/value_training"] == 0
+    b.observe_heldout(1.99)  # within the tolerance: still stopped
+    assert b.steps(8) == 0
+    b.observe_heldout(1.8)  # the policy moved: probe again
+    assert b.heldout_stop is None and b.gain is None and b.steps(8) == 2
+
+
+def test_the_value_rule_trains_a_draft_that_no_longer_pays_when_its_gain_would_bring_speculation_back():
+    """A stale draft whose speculation no longer pays (its verify steps cost 28 ms per 1000 tokens
+    at accept length 1, so it breaks even with plain decoding at 5.6): updates that would lift it
+    past break-even within the horizon are bought, though one step's updates alone would not."""
+    b = DraftBudget(DraftBudgetConfig(rule="value", base_steps=2))
+    b.observe_rollout(1000, 5.0, False, None, None)
+    b.observe_rollout(1000, 14.0, True, 2.0, None)  # a verify step costs 14 s x 2 / 1000 tokens
+    b.observe_heldout(2.0)  # v(2.0) = 0: speculating is 14 s against plain's 5 s
+    b.spend(0.02, 2)
+    b.observe_gain(0.4, 2)  # 0.2 per update: 8 updates a step, break-even (5.6) after 3 steps
+    assert b.value_s(2.0) == 0.0 and b.value_s(2.0 + 0.2 * 8) == 0.0
+    assert b.steps(8) == 8
+
+
+def test_the_hard_cap_keeps_cotraining_under_its_share_of_the_step_over_the_window():
+    b = _valued(max_share=0.05, share_window=10)
+    b.observe_heldout(2.0)
+    b.spend(1.0, 2)
+    b.observe_gain(0.2, 2)
+    for _ in range(9):
+        b.observe_step(10.0, 0.2)  # 2% so far
+    # the window's 9 steps hold 1.8 s of 90 s; this step (9.8 s without co-training) may add
+    # (0.05 * (90 + 9.8) - 1.8) / 0.95 = 3.36 s: 6 updates of 0.5 s
+    assert b.steps(8) == 6
+    for _ in range(9):
+        b.observe_step(10.0, 0.6)  # already 6%: nothing this step
+    assert b.steps(8) == 0
