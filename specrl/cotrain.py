@@ -16,6 +16,14 @@ rollout.protocol.FeatureSource (the trainer's log-prob forward) or from an engin
 them; so the embedded engine and vLLM plug in the same way. The per-rollout choice of whether to
 speculate (specrl.run_choice) is the core's: engines only expose the switch.
 
+Co-training as an investment: every 8th answer the trainer's forward captures is held out
+(CoTrainConfig.heldout_every); on the newest of them the serving draft's expected accept length
+is measured every step (draft_models.ttt.expected_accept_length), whether or not speculation
+served the rollout. A trained draft serves only if it is not worse there (the swap gate), the
+budget buys updates while the held-out gain they show saves more rollout time than they cost
+(specrl.draft_budget, rule "value"), and the run choice is re-timed as soon as the serving draft
+is predicted to pay, or no longer to.
+
 Modes: "off" attaches nothing (the host loop runs exactly as without specrl), "frozen"
 speculates with the starting draft, "online" also trains it. Every draft-side failure is
 caught, logged and counted: speculation falls back to plain decoding; the RL run goes on.
@@ -29,10 +37,10 @@ import warnings
 import torch
 
 from draft_models.checkpoint import check_draft_weights, copy_draft_weights
-from rollout.drafters import DrafterSpec
-from rollout.protocol import DraftReceiver, FeatureSource, Rollout, RolloutStats, summarize_spec_stats
 from draft_models.train import collate
 from draft_models.ttt import expected_accept_length as ttt_expected_accept_length
+from rollout.drafters import DrafterSpec
+from rollout.protocol import DraftReceiver, FeatureSource, Rollout, RolloutStats, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
 from specrl.config import CoTrainConfig
 from specrl.controller import SpeculationController, alpha_from_ratio, expected_accept_length
