@@ -99,7 +99,8 @@ class SpecCoTrainer:
         self._candidate = None  # the gated candidate's held-out value, until it serves
         self._updates_since_push = 0
         self._recheck = None  # "spec" or "plain": the run choice re-timed because of the draft
-        self._choice_heldout = None  # held-out accept length when the run choice was last made or re-timed
+        self._choice_heldout = None  # the serving draft's held-out accept length when the run choice was made
+        self._choice_seen = None  # RunChoice.decisions when _choice_heldout was taken
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
         if self.draft_trainer is not None and cfg.heldout_every:
             self._serving = copy.deepcopy(draft)
@@ -447,21 +448,27 @@ class SpecCoTrainer:
         return False
 
     def _follow_draft(self) -> None:
-        """The run choice follows the draft: plain decoding chosen and the serving draft's held-out
-        acceptance now predicts that speculation pays -> time speculation again at once; speculation
-        chosen and the draft no longer predicted to pay -> time plain decoding again."""
+        """The run choice follows the draft. The choice was made from a measured speed-up S of
+        speculating over plain decoding, with a serving draft of held-out accept length E0; a
+        verify step emits E tokens, so the same rollouts with a draft of held-out E are predicted
+        at S * E / E0. Plain decoding chosen and the prediction reaching the choice's margin ->
+        time speculation again at the next rollout; speculation chosen and the prediction falling
+        below it -> time plain decoding again. Each re-timing makes a new choice, with E0 the
+        draft's E then, so a prediction the measurement contradicts is not re-timed again until the
+        draft moves further. Engines whose switch is free only (vLLM: the periodic re-check)."""
         choice, e = self.run_choice, self.heldout
         if choice is None or choice.speculate is None or choice.queue or e is None:
             return
         if self.engine.capabilities.switch != "free":  # a restart (vLLM): the periodic re-check alone
             return
-        if self._choice_heldout is None:  # the draft the choice was made with
-            self._choice_heldout = e
-        pays = self.budget.pays(e, choice.margin)
-        moved = abs(e - self._choice_heldout) > self.budget.config.tolerance * self._choice_heldout
-        if pays is None or pays == choice.speculate or not moved:
+        if self._choice_seen != choice.decisions:  # a new choice: the draft it was made with
+            self._choice_seen, self._choice_heldout = choice.decisions, e
+        if choice.chosen_speedup is None:  # kept on a sure estimate, nothing timed to scale
             return
-        self._recheck, self._choice_heldout = ("spec" if pays else "plain"), e
+        predicted = choice.chosen_speedup * e / self._choice_heldout
+        if (predicted >= choice.margin) == choice.speculate:
+            return
+        self._recheck = "spec" if predicted >= choice.margin else "plain"
         choice.recheck_now()
 
     # -- internals ------------------------------------------------------------------------
@@ -645,7 +652,7 @@ class SpecCoTrainer:
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "run_choice": self.run_choice.state_dict() if self.run_choice is not None else None,
                 "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict(),
-                "gate": dict(self._gate), "choice_heldout": self._choice_heldout}
+                "gate": dict(self._gate), "choice_heldout": self._choice_heldout, "choice_seen": self._choice_seen}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.config.mode:
@@ -670,7 +677,7 @@ class SpecCoTrainer:
         self.faults = state["faults"] + faults
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it
         self._gate = dict(state.get("gate", self._gate))
-        self._choice_heldout = state.get("choice_heldout")
+        self._choice_heldout, self._choice_seen = state.get("choice_heldout"), state.get("choice_seen")
         if self._serving is not None:  # the gate's yardstick: the draft the engine serves
             copy_draft_weights(self._serving, self.engine.draft_weights()[0])
         self._serving_value = (None, None)

@@ -177,15 +177,6 @@ class DraftBudget:
             return None
         return self.tokens * max(0.0, self.plain_rate - self.spec_cost / max(accept_length, 1.0))
 
-    def pays(self, accept_length: float | None = None, margin: float = 1.0) -> bool | None:
-        """Whether speculating with a draft of held-out accept length E (default: the serving
-        draft's) is predicted at least `margin` times as fast as plain decoding, by the rates
-        measured so far (None: unknown)."""
-        e = self.heldout if accept_length is None else accept_length
-        if e is None or self.plain_rate is None or self.spec_cost is None:
-            return None
-        return self.plain_rate >= margin * self.spec_cost / max(e, 1.0)
-
     def _share_cap(self) -> int | None:
         """Updates this step may run under the hard cap (None: no cap)."""
         c = self.config

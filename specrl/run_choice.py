@@ -48,6 +48,7 @@ class RunChoice:
         self.calls = 0
         self.speculate: bool | None = None  # the choice, once both arms are timed (or the estimate is sure)
         self.chosen_speedup: float | None = None  # speedup() when the choice was last made
+        self.decisions = 0  # choices made so far (the first and every re-check's)
         # the calls still to time, in order: (arm, timed); a warm-up call is played, not timed
         self.queue = self._block("spec", self.warmup) + self._block("plain", self.warmup if self.rewarm else 0)
         self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
@@ -107,6 +108,7 @@ class RunChoice:
             same = choice == self.speculate
             self.interval = min(2 * self.interval, self.BACKOFF * self.recheck) if same else self.recheck
         self.speculate, self.chosen_speedup, self.since = choice, speedup, 0
+        self.decisions += 1
 
     def speedup(self) -> float | None:
         """Median speculating over median plain tokens per second (None until both are timed)."""
@@ -135,7 +137,8 @@ class RunChoice:
         # rollouts, warmup, margin, recheck, sure and rewarm come from the config
         return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
                 "chosen_speedup": self.chosen_speedup, "estimated": list(self.estimated),
-                "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval}
+                "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval,
+                "decisions": self.decisions}
 
     def load_state_dict(self, state: dict) -> None:
         self.calls, self.speculate = int(state["calls"]), state["speculate"]
@@ -149,6 +152,7 @@ class RunChoice:
         else:  # a saved state without a queue, still timing: time both blocks again
             self.rates = {"spec": [], "plain": []}
         self.since, self.interval = int(state.get("since", 0)), int(state.get("interval", self.recheck))
+        self.decisions = int(state.get("decisions", int(self.speculate is not None)))
 
 
 def choice_history(rows) -> dict | None:

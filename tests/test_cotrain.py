@@ -567,3 +567,38 @@ def test_a_resumed_run_speculates_and_trains_as_the_uninterrupted_one(sft_policy
     train_rl("arith", "ci", tmp_path / "resumed", steps=4, resume=True, **run)
     whole, resumed = ([[r[k] for k in keys] for r in _rows(tmp_path / name)] for name in ("whole", "resumed"))
     assert len(whole) == 4 and whole == resumed
+
+
+def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_moves_further(tiny_model, monkeypatch):
+    """The held-out prediction says speculation pays again; the re-timed rollouts say it does
+    not: plain decoding stays chosen, and no further re-timing happens while the draft stays
+    where it was (each one costs a block of slower rollouts), only once it improves beyond it."""
+    from types import SimpleNamespace
+
+    from rollout.protocol import Rollout, RolloutStats
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=0)
+    value = {"e": 1.4}
+    monkeypatch.setattr(cot, "_heldout_value", lambda draft: value["e"])
+    choice, spec = cot.run_choice, SimpleNamespace(spec=None)
+
+    def step(arm, seconds):
+        cot.begin_step()
+        cot.on_rollout(Rollout([spec], RolloutStats(seconds, 1000, speculated=arm == "spec")))
+        cot.buffer._rows += 1  # new held-out answers every step (measured afresh)
+        return cot.end_step(train=False)
+
+    for arm in ["spec"] * 6 + ["plain"] * 6:  # speculation at half plain's speed: plain chosen at E = 1.4
+        step(arm, 10.0 if arm == "spec" else 5.0)
+    assert choice.speculate is False and choice.decisions == 1
+    value["e"] = 3.0  # predicted 0.5 * 3.0 / 1.4 = 1.07 >= 1.05: time speculation again
+    assert step("plain", 5.0).get("sched/run_recheck") == "spec" and choice.queue
+    for _ in range(6):  # the re-timed block: still half plain's speed
+        if choice.queue:
+            step(choice.arm(), 10.0 if choice.arm() == "spec" else 5.0)
+    assert choice.speculate is False and choice.decisions == 2
+    rechecks = [step("plain", 5.0).get("sched/run_recheck") for _ in range(5)]
+    assert rechecks == [None] * 5  # the draft has not moved since: no block of slow rollouts again
+    value["e"] = 6.5  # twice better than when it was last measured: predicted 0.5 * 6.5 / 3.0
+    assert step("plain", 5.0).get("sched/run_recheck") == "spec"
