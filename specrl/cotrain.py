@@ -319,6 +319,8 @@ class SpecCoTrainer:
         t0 = time.perf_counter()
         self._measure_serving()  # outside the scheduler's windows: it never starves the updates
         self._heldout_s = time.perf_counter() - t0
+        # what this step's co-training has spent before its updates: the hard cap counts it
+        self.budget.spent_now = self.buffer.capture_seconds - self._capture_s0 + self._heldout_s
         self._follow_draft()
         if train and self._overlap is not None:
             t0 = time.perf_counter()

@@ -101,6 +101,7 @@ class DraftBudget:
         self.spec_cost: float | None = None  # c: speculating seconds per token x accept length
         self.tokens: float | None = None  # tokens per rollout
         self.window: list[list[float]] = []  # [step seconds, co-training seconds] of the last steps
+        self.spent_now = 0.0  # co-training seconds the current step has spent already (capture, measurement)
 
     # -- observations ------------------------------------------------------------------------
     def observe(self, accept_length: float, speculated: bool) -> None:
@@ -169,6 +170,7 @@ class DraftBudget:
     def observe_step(self, step_s: float, cotrain_s: float) -> None:
         """An RL step's wall seconds and the co-training seconds inside them (the hard cap)."""
         self.window = (self.window + [[float(step_s), float(cotrain_s)]])[-self.config.share_window:]
+        self.spent_now = 0.0
 
     def value_s(self, accept_length: float) -> float | None:
         """v(E): rollout seconds a draft of held-out accept length E saves per rollout, where
@@ -187,7 +189,10 @@ class DraftBudget:
             return None  # nothing measured yet: the first step's updates are what measures u
         base = past[-1][0] - past[-1][1]  # this step without co-training, as the last one
         step_total, cotrain_total = sum(p[0] for p in past), sum(p[1] for p in past)
-        allowed = (c.max_share * (step_total + base) - cotrain_total) / (1.0 - c.max_share)
+        # this step's co-training (already spent, plus x seconds of updates) keeps the window under the
+        # share: cotrain_total + spent_now + x <= max_share * (step_total + base + spent_now + x)
+        allowed = (c.max_share * (step_total + base) - cotrain_total - (1.0 - c.max_share) * self.spent_now) \
+            / (1.0 - c.max_share)
         if allowed <= 0:
             return 0
         return int(allowed / self.update_s) if self.update_s else 1

@@ -309,6 +309,8 @@ def test_the_hard_cap_keeps_cotraining_under_its_share_of_the_step_over_the_wind
     # the window's 9 steps hold 1.8 s of 90 s; this step (9.8 s without co-training) may add
     # (0.05 * (90 + 9.8) - 1.8) / 0.95 = 3.36 s: 6 updates of 0.5 s
     assert b.steps(8) == 6
+    b.spent_now = 0.95  # this step's capture and measurement so far: (4.99 - 1.8 - 0.9025) / 0.95 = 2.41 s left
+    assert b.steps(8) == 4
     for _ in range(9):
         b.observe_step(10.0, 0.6)  # already 6%: nothing this step
     assert b.steps(8) == 0

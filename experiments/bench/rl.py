@@ -333,7 +333,7 @@ def report(summary: dict) -> list[str]:
             if held:
                 ratio = m.get("heldout_end_over_start")
                 gate = (f", {m['draft_refused']} of {m['draft_gated']} trained drafts refused by the gate"
-                        if "draft_refused" in m else "")
+                        if m.get("draft_gated") else "")
                 lines.append(f"  {a}: held-out expected accept length {held[0]:.2f} -> {held[-1]:.2f}"
                              + (f" (end/start {ratio:.3f})" if ratio is not None else "") + gate)
         if s.get("response_lengths"):
