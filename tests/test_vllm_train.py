@@ -95,7 +95,10 @@ def test_drift_on_vllm_under_a_run_choice_evaluates_every_draft_speculating(tmp_
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     print("drift arms under a run choice of plain:", [(r["step"], r["arm"], r.get("accept_length")) for r in rows])
     assert {r["step"] for r in rows} == {0, 2, 4, 6}
-    assert all(r["accept_length"] > 1.5 for r in rows if r["arm"] != "plain")  # every draft arm speculated
+    # every draft arm speculated (an arm decoded plainly accepts nothing); the frozen draft decays as the
+    # policy moves (measured 1.45 at step 6 of one run, 2.83 at step 0), the retrained reference does not
+    assert all(r["accept_length"] > 1.0 for r in rows if r["arm"] != "plain")
+    assert all(r["accept_length"] > 2.0 for r in rows if r["arm"] == "reference")
     assert summary["online_over_reference_min"] is not None and summary["online_over_reference_min"] > 0
     rl = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     # spec warm-up and timed, plain warm-up and timed (a restart each way); plain kept from step 3
