@@ -37,16 +37,10 @@ OBJECTIVES = {"ce": 0.0, "ce+tv": 1.0}  # name -> acceptance_weight
 def measure(run, draft, prompts, params, ids) -> dict:
     """A draft's held-out expected accept length and its measured accept length on `prompts`."""
     from draft_models.checkpoint import draft_state_dict_for_sglang
-    from draft_models.train import collate
-    from draft_models.ttt import expected_accept_length
     from rollout.protocol import summarize_spec_stats
+    from specrl.cotrain import heldout_accept_length
 
-    held = run.cotrain.buffer.heldout
-    w = draft.fc.weight
-    batch = collate(held, w.device, w.dtype, soft=True)
-    draft.eval()
-    expected, depth = expected_accept_length(draft, batch["features"], batch["input_ids"], batch["target_logp"],
-                                             batch["loss_mask"], run.preset.cotrain.spec.gamma)
+    expected, depth = heldout_accept_length(draft, run.cotrain.buffer.heldout, run.preset.cotrain.spec.gamma)
     weights = {k: v.detach().cpu().clone() for k, v in draft_state_dict_for_sglang(draft).items()}
     run.engine.set_speculation(True)
     run.engine.push_draft(weights, run.engine.draft_version + 1)

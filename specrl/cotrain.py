@@ -381,21 +381,10 @@ class SpecCoTrainer:
 
     # -- held-out measurement, swap gate, run choice --------------------------------------
     def _heldout_value(self, draft) -> float | None:
-        """`draft`'s expected accept length on the held-out sequences at the configured chain
-        (draft_models.ttt.expected_accept_length, sampled decoding); None without any."""
-        records = self.buffer.heldout
-        if not records:
-            return None
-        w = draft.fc.weight
-        batch = collate(records, w.device, w.dtype, soft=True)
-        was = draft.training
-        draft.eval()
-        try:
-            e, _ = ttt_expected_accept_length(draft, batch["features"], batch["input_ids"], batch["target_logp"],
-                                              batch["loss_mask"], self.config.spec.gamma)
-        finally:
-            draft.train(was)
-        return e if e == e else None  # NaN: no answer token held out
+        """`draft`'s expected accept length on the held-out sequences at the configured chain;
+        None without any, or without an answer token among them."""
+        value = heldout_accept_length(draft, self.buffer.heldout, self.config.spec.gamma)
+        return None if value is None or value[0] != value[0] else value[0]
 
     def _measure_serving(self) -> None:
         """The serving draft's held-out expected accept length on the newest held-out sequences
@@ -702,6 +691,24 @@ class SpecCoTrainer:
         warnings.warn(f"the resumed engine draft is unusable ({problem}); speculating with the "
                       f"{which} draft instead", RuntimeWarning)
         return 1
+
+
+def heldout_accept_length(draft, records, gamma: int) -> tuple[float, list[float]] | None:
+    """`draft`'s expected accept length with chains of `gamma` on held-out buffer records
+    (FeatureBuffer.heldout, with soft targets), and its per-depth acceptance
+    (draft_models.ttt.expected_accept_length, sampled decoding); None without records. The draft
+    is measured in eval mode and left in the mode it was in."""
+    if not records:
+        return None
+    w = draft.fc.weight
+    batch = collate(records, w.device, w.dtype, soft=True)
+    was = draft.training
+    draft.eval()
+    try:
+        return ttt_expected_accept_length(draft, batch["features"], batch["input_ids"], batch["target_logp"],
+                                          batch["loss_mask"], gamma)
+    finally:
+        draft.train(was)
 
 
 def brief(metrics: dict) -> str:
