@@ -425,7 +425,7 @@ class SpecCoTrainer:
         if cand is None or serve is None:
             return True
         self.budget.observe_gain(cand - serve, updates)
-        self._gate_step = {"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve}
+        self._gate_step.update({"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve})
         if cand >= serve * (1.0 - self.config.gate_tolerance):
             self._gate["accepted"] += 1
             self._candidate = cand  # its value, once it serves (_push_weights)
