@@ -31,6 +31,7 @@ import torch
 from draft_models.train import _LOGP_FLOOR
 from draft_models.vocab import restrict_to_draft
 from rollout.transfer import download, settle
+from target_training.grpo import logit_positions
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -147,12 +148,15 @@ class FeatureBuffer:
                                  response_mask: torch.Tensor, d2t: torch.Tensor, policy_version: int) -> int:
         """Hook-side source: one record per row of the policy trainer's log-prob forward.
 
-        Soft targets are the target's log-probs at the draft vocabulary, not renormalised, fp16,
-        clamped like capture_features. They are computed as restrict_to_draft(logits) minus the
-        full-vocabulary logsumexp, which equals restrict_to_draft(log_softmax(logits)) without
-        materialising a second (B, T, V) fp32 tensor. Right padding is trimmed: a row's length is
-        its last response position + 1; rows without a response token are skipped.
-        Returns the number of records stored."""
+        logits: (B, T, V) at every position, or (N, V) at the answer positions only
+        (`target_training.grpo.logit_positions(response_mask)`, what GRPOTrainer's forward computes),
+        or None (hard labels). Soft targets are the target's log-probs at the draft vocabulary, not
+        renormalised, fp16, clamped like capture_features; where no logits were computed they hold
+        the floor (ttt_loss reads a position only where the next token is an answer token). They
+        are computed as restrict_to_draft(logits) minus the full-vocabulary logsumexp, which equals
+        restrict_to_draft(log_softmax(logits)) without materialising a second fp32 tensor over the
+        full vocabulary. Right padding is trimmed: a row's length is its last response position + 1;
+        rows without a response token are skipped. Returns the number of records stored."""
         B, T = input_ids.shape
         if features.shape[:2] != (B, T) or response_mask.shape != (B, T):
             raise ValueError(f"features {tuple(features.shape)} and response_mask {tuple(response_mask.shape)} "
@@ -164,23 +168,35 @@ class FeatureBuffer:
         for n in lengths:
             held.append(n > 0 and self.heldout_every > 0 and logits is not None and self._rows % self.heldout_every == 0)
             self._rows += n > 0
+        at = None  # (B, T) bool: where compact (N, V) logits were computed
+        if logits is not None and logits.dim() == 2:
+            at = logit_positions(mask)
+            if logits.shape[0] != int(at.sum()):
+                raise ValueError(f"logits {tuple(logits.shape)} match neither (B, T, V) nor the {int(at.sum())} "
+                                 f"answer positions of response_mask")
+        elif logits is not None and logits.shape[:2] != (B, T):
+            raise ValueError(f"logits {tuple(logits.shape)} must match input_ids {(B, T)}")
         if self.heldout_only:  # only the held-out rows are stored: compute nothing for the others
             rows = [b for b in range(B) if held[b]]
             if not rows:
                 return 0
             if len(rows) < B:
                 idx = torch.tensor(rows, device=input_ids.device)
+                if at is not None:
+                    logits = logits[at.nonzero()[:, 0].unsqueeze(1).eq(idx).any(1)]
+                    at = at[idx]
+                elif logits is not None:
+                    logits = logits[idx]
                 input_ids, features, mask = input_ids[idx], features[idx], mask[idx]
-                logits = None if logits is None else logits[idx]
                 lengths, held = [lengths[b] for b in rows], [True] * len(rows)
                 B = len(rows)
         logp = None
         if logits is not None:
-            if logits.shape[:2] != (B, T):
-                raise ValueError(f"logits {tuple(logits.shape)} must match input_ids {(B, T)}")
             lg = logits.detach().float()
             logp = restrict_to_draft(lg, d2t.to(lg.device)) - torch.logsumexp(lg, dim=-1, keepdim=True)
             logp = logp.clamp_min(_LOGP_FLOOR).to(torch.float16)
+            if at is not None:  # (N, Vd) -> (B, T, Vd), the floor where nothing was computed
+                logp = logp.new_full((B, T, logp.shape[-1]), _LOGP_FLOOR).index_put_((at,), logp)
         if input_ids.device.type != "cpu":  # the batch to the host in one copy per tensor, not one per row
             input_ids, features, mask = download(input_ids), download(features.detach(), self.feature_dtype), download(mask)
             logp = None if logp is None else download(logp)

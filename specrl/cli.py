@@ -38,6 +38,7 @@ COMMANDS = {
     "bench rl": "experiments.bench.rl:bench_rl",
     "bench real": "experiments.bench.real:bench_real",
     "bench precision": "experiments.bench.precision:bench_precision",
+    "bench update": "experiments.bench.update:bench_update",
 }
 
 

@@ -425,6 +425,17 @@ class BenchPrecision(Run):
 
 
 @dataclass(kw_only=True)
+class BenchUpdate(Run):
+    """one GRPO policy update on the preset's first rollout batch: logits at every position against the answer
+    positions only, fp32 against bf16; seconds, log-prob gaps and the weight change"""
+    KEY = "bench update"
+    repeats: int = flag(3, "timed updates per arm (the first left out when more than one)", lo=1, hi=100)
+
+    def call(self) -> tuple[tuple, dict]:
+        return self._task_preset_out(), {**self._common(), "repeats": self.repeats}
+
+
+@dataclass(kw_only=True)
 class BenchReal(Command):
     """plain decoding of a real pretrained model on the embedded engine (fp32, bf16) against HF generate, per
     batch size"""
@@ -503,6 +514,7 @@ COMMAND_LINE = {
         "profile": (BenchProfile,),
         "overlap": (BenchOverlap, BenchOverlapPhases),
         "precision": (BenchPrecision,),
+        "update": (BenchUpdate,),
         "real": (BenchReal,),
         "rl": (BenchRL,),
     },

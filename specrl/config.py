@@ -371,6 +371,11 @@ class CoTrainConfig:
     the "value" budget rule (draft_models.ttt.expected_accept_length)."""
     heldout_records: int = 16
     """Held-out sequences kept (the newest)."""
+    heldout_idle_share: float = 0.01
+    """While the serving draft neither serves (plain decoding chosen) nor trains (no update this
+    step), measuring it is worth little: it only watches for a fall that would restart training or
+    a rise that would re-time speculation. It then runs every k-th step, k the smallest that keeps
+    the last measurement's seconds within this share of the RL step (1.0: every step)."""
     gate_tolerance: float = 0.0
     """Swap gate: a trained draft replaces the serving one only if its held-out expected accept
     length is at least (1 - gate_tolerance) times the serving draft's, measured on the same
@@ -391,6 +396,8 @@ class CoTrainConfig:
         if self.scheduler.draft_steps.rule == "value" and not self.heldout_every:
             raise ValueError("the 'value' budget rule measures drafts on held-out sequences: CoTrainConfig.heldout_every "
                              "must be > 0")
+        if not 0.0 < self.heldout_idle_share <= 1.0:
+            raise ValueError(f"CoTrainConfig.heldout_idle_share must be in (0, 1], got {self.heldout_idle_share}")
         if not 0.0 <= self.gate_tolerance < 1.0:
             raise ValueError(f"CoTrainConfig.gate_tolerance must be in [0, 1), got {self.gate_tolerance}")
         for name in ("max_draft_steps", "recent_versions", "heldout_every", "heldout_records"):

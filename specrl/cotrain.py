@@ -92,6 +92,7 @@ class SpecCoTrainer:
         self.buffer.heldout_only = cfg.mode == "frozen"
         self.heldout = None  # the serving draft's held-out expected accept length, this step
         self._heldout_s = 0.0  # seconds spent measuring drafts on held-out sequences this step
+        self._idle_measure = (0.0, 0.0, 0)  # (seconds of the last serving measurement, of the last step, steps since)
         self._gate = {"refused": 0, "accepted": 0}  # swap gate decisions since the start
         self._gate_step: dict = {}  # this step's gate figures
         self._serving = None  # online: a copy of the serving draft (the gate's yardstick)
@@ -330,6 +331,7 @@ class SpecCoTrainer:
             self.scheduler.run_window("between", self._train_burst)
         self._follow_draft()  # again with the draft that serves now
         step_s = time.perf_counter() - self._t_step
+        self._idle_measure = (self._idle_measure[0], step_s, self._idle_measure[2])
         report = self.scheduler.end_step(step_s)
         # the serving draft's held-out measurement is draft time too (perf/draft_heldout_s: its share)
         report["perf/draft_train_s"] = report.get("perf/draft_train_s", 0.0) + self._heldout_s
@@ -388,14 +390,26 @@ class SpecCoTrainer:
 
     def _measure_serving(self) -> None:
         """The serving draft's held-out expected accept length on the newest held-out sequences
-        (those the trainer's forward captured in this step), for the budget and the metrics."""
+        (those the trainer's forward captured in this step), for the budget and the metrics; while
+        the draft is idle, only as often as CoTrainConfig.heldout_idle_share allows (None on the
+        steps it waits: the budget keeps the last value)."""
         if self.draft is None or not self.config.heldout_every:
             return
+        measure_s, step_s, waited = self._idle_measure
+        choice = self.run_choice
+        trains = self.draft_trainer is not None and self.budget.steps(self.config.max_draft_steps) > 0
+        idle = choice is not None and choice.speculate is False and not trains
+        if idle and measure_s > 0 and step_s > 0 and (waited + 1) * self.config.heldout_idle_share * step_s < measure_s:
+            self.heldout = None
+            self._idle_measure = (measure_s, step_s, waited + 1)
+            return
+        t0 = time.perf_counter()
         try:
             self.heldout = self._serving_heldout()
         except Exception as err:  # a measurement failure never stops the RL run
             self._on_draft_error(err)
             self.heldout = None
+        self._idle_measure = (time.perf_counter() - t0, step_s, 0)
         self.budget.observe_heldout(self.heldout)
 
     def _serving_heldout(self) -> float | None:

@@ -96,6 +96,9 @@ class RunPreset:
     task: str = "arith"  # the task a run takes when the command line names none
     context: int = 0  # a real model's tokens of prompt + answer (its KV cache and positions); 0: the model's own
     bench_steps: int = 20  # `specrl bench rl`'s RL steps per arm when --steps is not given
+    # keep the starting policy as the GRPO reference: the update logs KL from the start (kl_ref, the k3
+    # estimate on the rollout's tokens) every step, for one more no-grad forward; grpo.kl_coef > 0 needs it
+    kl_from_start: bool = False
     draft: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     # speculation and online draft training for --spec frozen|online (mode and seed are set per run)
     cotrain: CoTrainConfig = field(default_factory=lambda: CoTrainConfig(**adaptive_spec(SpecConfig(mode="chain", gamma=4))))
@@ -185,16 +188,19 @@ RL_PRESETS: dict[str, RunPreset] = {
                              grpo=GRPOConfig(lr=2e-4), rl_steps=40, prompts_per_step=16, group_size=8,
                              max_new_tokens=64, eval_prompts=64, eval_samples=2, checkpoint_every=10, max_batch=64,
                              task_kwargs={"format_bonus": 1.0, "bonus_rule": "format", "rare_weight": 0.05},
-                             draft=DraftTrainConfig(steps=2400, lr=2e-3), bench_steps=40,
+                             draft=DraftTrainConfig(steps=2400, lr=2e-3), bench_steps=40, kl_from_start=True,
                              cotrain=cotrained(SpecConfig(mode="chain", gamma=6))),
     # A real pretrained model (SmolLM2-135M-Instruct, target_training/real_models.py; no SFT warm start: it
     # is an instruction model already) on multi-step word problems (target_training.tasks.WordTask) in its
     # chat template, answers of up to 256 tokens with a long tail (sampled at temperature 0.7: at 1.0 this small
     # model rambles, half its answers reach the cap and none is right). 8 prompts x 4 samples per step, policy
-    # updates in minibatches of 8 sequences (a 135M model's logits over 49152 tokens are 0.6 GB per 8
-    # sequences of 384 tokens). The starting draft is REAL_DRAFT, trained on the model's own answers.
-    "real": RunPreset(model="smollm2-135m", task="word", context=448, sft=SFTConfig(),
-                      grpo=GRPOConfig(lr=2e-6, minibatch_size=8, temperature=0.7), rl_steps=20, prompts_per_step=8,
+    # updates in minibatches of 8 sequences, in bf16 where the CPU computes it natively (GRPOConfig.compute_dtype;
+    # `specrl bench update` measures its cost and its log-prob gap to fp32), at a learning rate of 1e-5, under
+    # which the policy moves away from its start within the run (KL from the start is logged every step). The
+    # starting draft is REAL_DRAFT, trained on the model's own answers.
+    "real": RunPreset(model="smollm2-135m", task="word", context=448, sft=SFTConfig(), kl_from_start=True,
+                      grpo=GRPOConfig(lr=1e-5, minibatch_size=8, temperature=0.7, compute_dtype="auto"),
+                      rl_steps=20, prompts_per_step=8,
                       group_size=4, max_new_tokens=256, temperature=0.7, eval_prompts=16, eval_samples=1, checkpoint_every=10, max_batch=32,
                       draft=REAL_DRAFT, cotrain=cotrained(SpecConfig(mode="chain", gamma=4))),
     "full": RunPreset(model="full", sft=SFTConfig(steps=1500, batch_size=32, lr=2e-3, n_examples=20000),

@@ -8,6 +8,7 @@ specrl/run_dir.py.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -175,7 +176,9 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
     check_writable(cache_dir)
     tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
     rollout = build_engine(engine, policy, preset, out)
-    trainer = GRPOTrainer(policy, preset.grpo)
+    # the reference is the policy as built, before any checkpoint is restored: the start, also on resume
+    reference = copy.deepcopy(policy) if preset.kl_from_start or preset.grpo.kl_coef > 0 else None
+    trainer = GRPOTrainer(policy, preset.grpo, ref_model=reference)
     cotrain = build_cotrainer(spec, policy, tokenizer, task, preset, seed, cache_dir, log,
                               progress=progress).attach(rollout, trainer)
     heldout = task.examples("heldout", preset.eval_prompts, seed)

@@ -7,7 +7,8 @@ ones must match them (tests/test_grpo.py checks fp32 max |diff| <= 1e-5), which 
 the update truly on-policy.
 
 Feature hooks: callables registered in `logprob_hooks` receive every log-prob forward's
-(input_ids, ModelOutput, response_mask); specrl's co-training uses them to take target
+(input_ids, ModelOutput, response_mask), the output's logits (N, V) at the answer positions only
+(`logit_positions(response_mask)`); specrl's co-training uses them to take target
 features from the trainer's own forward instead of paying for another one.
 """
 from __future__ import annotations
@@ -20,6 +21,26 @@ import torch
 import torch.nn.functional as F
 
 from target_training.model import ModelOutput, MoETransformer
+
+
+COMPUTE_DTYPES = ("fp32", "bf16", "auto")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` computes in bf16 natively (AVX512-BF16 or AMX on a CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = torch.cpu
+        return bool(getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                    or getattr(cpu, "_is_amx_tile_supported", lambda: False)())
+    return False
+
+
+def update_autocast(compute_dtype: str, device: torch.device):
+    """The autocast context of an update's forwards for GRPOConfig.compute_dtype on `device`."""
+    bf16 = compute_dtype == "bf16" or (compute_dtype == "auto" and native_bf16(device))
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 @dataclass
@@ -46,6 +67,13 @@ class GRPOConfig:
     # still divides by every response token). None: no such weight. Needs old_logprobs "trainer"
     # (with "engine" the two log-probs are one and the weight is 1).
     behaviour_weight_cap: float | None = None
+    # The compute dtype of the update's forwards and backward (weights, gradients and the optimizer
+    # stay fp32; logits are computed in fp32 from the last hidden state): "fp32"; "bf16" (autocast);
+    # "auto": bf16 where the device has native bf16 arithmetic (a CPU with AVX512-BF16 or AMX, a
+    # GPU that supports it), else fp32. Under bf16 the trainer's log-probs differ from the engine's
+    # fp32 ones (`logprob_mismatch` reports the largest gap): with old_logprobs "trainer" the ratio
+    # compares the trainer with itself, and behaviour_weight_cap corrects for the gap if asked.
+    compute_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("lr", "clip_eps", "max_grad_norm", "temperature"):
@@ -53,6 +81,8 @@ class GRPOConfig:
                 raise ValueError(f"GRPOConfig.{name} must be positive, got {getattr(self, name)}")
         if self.old_logprobs not in ("trainer", "engine"):
             raise ValueError(f"GRPOConfig.old_logprobs must be 'trainer' or 'engine', got {self.old_logprobs!r}")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"GRPOConfig.compute_dtype must be one of {COMPUTE_DTYPES}, got {self.compute_dtype!r}")
         if self.behaviour_weight_cap is not None and (self.behaviour_weight_cap <= 0 or self.old_logprobs != "trainer"):
             raise ValueError(f"GRPOConfig.behaviour_weight_cap must be positive and needs old_logprobs='trainer', got "
                              f"{self.behaviour_weight_cap!r} with {self.old_logprobs!r}")
@@ -84,14 +114,42 @@ def pack_batch(trajectories: Sequence, pad_id: int = 0) -> dict[str, torch.Tenso
     return {"input_ids": ids, "response_mask": mask, "old_logp": old}
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (B, T, V) of a full forward -> logp (B, T) of token j given tokens < j (0 at j = 0),
-    and the entropy (B, T) of that predictive distribution."""
-    logp_all = (logits[:, :-1].float() / temperature).log_softmax(-1)  # (B, T-1, V)
-    lp = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
-    ent = -(logp_all.exp() * logp_all).sum(-1)
-    pad = lp.new_zeros(lp.shape[0], 1)
-    return torch.cat([pad, lp], 1), torch.cat([pad, ent], 1)
+def logit_positions(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the positions j whose next token j + 1 is a response token, the only logits
+    a policy update reads (the model's `logits_at`)."""
+    pos = torch.zeros_like(response_mask, dtype=torch.bool)
+    pos[:, :-1] = response_mask[:, 1:].to(torch.bool)
+    return pos
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
+                   positions: torch.Tensor | None = None, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob (B, T) of token j given tokens < j, and the entropy (B, T) of that predictive
+    distribution, both 0 where not computed (j = 0; with `positions`, every j - 1 not marked).
+
+    logits: (B, T, V) of a full forward, or (N, V) at the N positions `positions` (B, T) marks
+    (`logit_positions`). The entropy is a metric: computed without autograd, `chunk` rows at a time,
+    so it never holds a second (N, V) tensor."""
+    B, T = input_ids.shape
+    if positions is None:
+        positions = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
+        positions[:, :-1] = True
+        logits = logits[:, :-1].reshape(-1, logits.shape[-1])
+    if logits.shape[0] != int(positions.sum()):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match the {int(positions.sum())} marked positions")
+    nxt = torch.zeros_like(input_ids)
+    nxt[:, :-1] = input_ids[:, 1:]
+    scaled = logits.float() / temperature  # (N, V)
+    lp_sel = scaled.gather(-1, nxt[positions][:, None])[:, 0] - torch.logsumexp(scaled, -1)
+    with torch.no_grad():
+        ent_sel = torch.cat([-(lq.exp() * lq).sum(-1) for lq in
+                             (scaled[i: i + chunk].detach().log_softmax(-1) for i in range(0, scaled.shape[0], chunk))]
+                            ) if scaled.shape[0] else scaled.new_zeros(0)
+    shifted = torch.zeros(B, T, dtype=torch.bool, device=positions.device)
+    shifted[:, 1:] = positions[:, :-1]  # the token j each marked position j - 1 predicts
+    lp = lp_sel.new_zeros(B, T).masked_scatter(shifted, lp_sel)
+    ent = ent_sel.new_zeros(B, T).masked_scatter(shifted, ent_sel)
+    return lp, ent
 
 
 def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0,
@@ -142,43 +200,63 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
     clipped-surrogate loss (plus `aux_coef` times the router loss; None: none added) handed to
     `apply_gradients(loss)`, which zeroes, backpropagates, clips and steps and returns the
     gradient norm (None: not known). `forward(input_ids, response_mask, *, run_hooks)` ->
-    (logp (B, T), entropy (B, T), ModelOutput) defaults to the model's forward and
-    token_logprobs. Returns the metrics averaged over the updates, plus reward and response_len."""
+    (logp (B, T), entropy (B, T), ModelOutput) defaults to the model's forward with logits at the
+    answer positions only and token_logprobs. Returns the metrics averaged over the updates, plus
+    reward and response_len.
+
+    Cost: each minibatch is cut to its own longest sequence (right padding: exact); the pass that
+    computes the old log-probs before any update skips the first minibatch, whose first forward
+    precedes every update and gives them; forwards run under GRPOConfig.compute_dtype."""
     if forward is None:
         def forward(input_ids, response_mask, *, run_hooks):
-            out = model(input_ids)
-            return (*token_logprobs(out.logits, input_ids, cfg.temperature), out)
+            positions = logit_positions(response_mask)
+            out = model(input_ids, logits_at=positions)
+            return (*token_logprobs(out.logits, input_ids, cfg.temperature, positions), out)
     dev = next(model.parameters()).device
+    autocast = lambda: update_autocast(cfg.compute_dtype, dev)  # noqa: E731
     batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
     adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), group_size, cfg.adv_eps).to(dev)
-    ref_logp = None
-    if ref_model is not None:
-        with torch.no_grad():
-            ref_logp, _ = token_logprobs(ref_model(batch["input_ids"]).logits, batch["input_ids"], cfg.temperature)
     B = batch["input_ids"].shape[0]
     mb = cfg.minibatch_size or B
+    lengths = batch["response_mask"].flatten(1).cumsum(1).argmax(1) + 1  # (B,) last response position + 1
+
+    def rows(lo: int):  # minibatch [lo, lo + mb) cut to its longest sequence: (slice, T_mb)
+        return slice(lo, lo + mb), int(lengths[lo: lo + mb].max())
+
+    ref_logp = None
+    if ref_model is not None:
+        ref_logp = torch.zeros_like(batch["old_logp"])
+        with torch.no_grad(), autocast():
+            for lo in range(0, B, mb):
+                sl, T = rows(lo)
+                ids, pos = batch["input_ids"][sl, :T], logit_positions(batch["response_mask"][sl, :T])
+                ref_logp[sl, :T] = token_logprobs(ref_model(ids, logits_at=pos).logits, ids, cfg.temperature, pos)[0]
     engine_logp = batch["old_logp"]
-    single_update = cfg.ppo_epochs == 1 and mb >= B
-    mismatch = None  # the engine's log-probs against the trainer's, before any update moved the policy
-    if cfg.old_logprobs == "trainer" and not single_update:
-        with torch.no_grad():
-            batch["old_logp"] = torch.cat([forward(batch["input_ids"][lo: lo + mb], batch["response_mask"][lo: lo + mb],
-                                                   run_hooks=False)[0]
-                                           for lo in range(0, B, mb)])
-        mismatch = ((engine_logp - batch["old_logp"]).abs() * batch["response_mask"].float()).max().item()
+    trainer_old = cfg.old_logprobs == "trainer"
+    old_logp = engine_logp.clone() if trainer_old else engine_logp
+    if trainer_old and (cfg.ppo_epochs > 1 or mb < B):  # later minibatches follow an update
+        with torch.no_grad(), autocast():
+            for lo in range(mb, B, mb):  # the first minibatch's come from its first forward below
+                sl, T = rows(lo)
+                old_logp[sl, :T] = forward(batch["input_ids"][sl, :T], batch["response_mask"][sl, :T],
+                                           run_hooks=False)[0]
     sums: dict[str, float] = {}
     n_updates = 0
     total_updates = cfg.ppo_epochs * -(-B // mb)
     model.train()
     for epoch in range(cfg.ppo_epochs):
         for lo in range(0, B, mb):
-            sl = slice(lo, lo + mb)
-            logp, ent, out = forward(batch["input_ids"][sl], batch["response_mask"][sl], run_hooks=epoch == 0)
-            mask = batch["response_mask"][sl]
-            old = logp.detach() if cfg.old_logprobs == "trainer" and single_update else batch["old_logp"][sl]
-            loss, m = grpo_loss(logp, old, adv[sl], mask, cfg.clip_eps,
-                                ref_logp[sl] if ref_logp is not None else None, cfg.kl_coef,
-                                behaviour_logp=engine_logp[sl], weight_cap=cfg.behaviour_weight_cap)
+            sl, T = rows(lo)
+            mask = batch["response_mask"][sl, :T]
+            with autocast():
+                logp, ent, out = forward(batch["input_ids"][sl, :T], mask, run_hooks=epoch == 0)
+            if n_updates == 0:  # no update yet: the trainer's own old log-probs of this minibatch
+                first = (sl, T, logp.detach())
+                if trainer_old:
+                    old_logp[sl, :T] = first[2]
+            loss, m = grpo_loss(logp, old_logp[sl, :T], adv[sl], mask, cfg.clip_eps,
+                                ref_logp[sl, :T] if ref_logp is not None else None, cfg.kl_coef,
+                                behaviour_logp=engine_logp[sl, :T], weight_cap=cfg.behaviour_weight_cap)
             if aux_coef is not None:
                 loss = loss + aux_coef * out.aux_loss
             grad_norm = apply_gradients(loss)
@@ -188,8 +266,6 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
                 m["grad_norm"] = grad_norm
             m.update(entropy=((ent * mf).sum() / mf.sum().clamp(min=1)).item(),
                      router_balance=router_balance(out.expert_counts))
-            if mismatch is None:  # no pass before the updates: the first minibatch's, whose forward precedes them
-                mismatch = ((engine_logp[sl] - logp.detach()).abs() * mf).max().item()
             for k, v in m.items():
                 sums[k] = sums.get(k, 0.0) + v
             n_updates += 1
@@ -197,6 +273,10 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
                 for hook in microstep_hooks:
                     hook(n_updates, total_updates)
     model.eval()
+    # the engine's log-probs against the trainer's before any update moved the policy: the whole
+    # batch with trainer old log-probs, else the first minibatch (its forward preceded the updates)
+    sl, T, logp0 = (slice(0, B), engine_logp.shape[1], old_logp) if trainer_old else first
+    mismatch = ((engine_logp[sl, :T] - logp0).abs() * batch["response_mask"][sl, :T].float()).max().item()
     metrics = {k: v / n_updates for k, v in sums.items()}
     metrics["logprob_mismatch"] = mismatch  # the largest gap over the response tokens it covers
     metrics["reward"] = float(torch.as_tensor(rewards, dtype=torch.float32).mean())
@@ -239,8 +319,13 @@ class GRPOTrainer:
         return next(self.model.parameters()).device
 
     def forward_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor, *, run_hooks: bool = True):
-        out = self.model(input_ids, tap_layers=self.tap_layers if run_hooks and self.logprob_hooks else ())
-        logp, ent = token_logprobs(out.logits, input_ids, self.config.temperature)
+        """The policy's forward with logits at the answer positions (`logit_positions`): (logp (B, T),
+        entropy (B, T), ModelOutput whose logits are (N, V) at those positions); the feature hooks
+        get that output."""
+        positions = logit_positions(response_mask)
+        out = self.model(input_ids, tap_layers=self.tap_layers if run_hooks and self.logprob_hooks else (),
+                         logits_at=positions)
+        logp, ent = token_logprobs(out.logits, input_ids, self.config.temperature, positions)
         if run_hooks:
             for hook in self.logprob_hooks:
                 hook(input_ids, out, response_mask)
@@ -250,8 +335,9 @@ class GRPOTrainer:
     def recompute_logprobs(self, trajectories) -> torch.Tensor:
         """Trainer-side log-probs of the generated tokens, (B, T) aligned with pack_batch."""
         batch = pack_batch(trajectories)
-        logp, _, _ = self.forward_logprobs(batch["input_ids"].to(self.device), batch["response_mask"].to(self.device),
-                                           run_hooks=False)
+        with update_autocast(self.config.compute_dtype, self.device):
+            logp, _, _ = self.forward_logprobs(batch["input_ids"].to(self.device),
+                                               batch["response_mask"].to(self.device), run_hooks=False)
         return logp.cpu() * batch["response_mask"]
 
     def step(self, trajectories: Sequence, rewards: Sequence[float], group_size: int) -> dict:

@@ -118,7 +118,9 @@ class MegatronPolicy(torch.nn.Module):
         model.decoder.final_layernorm.register_forward_hook(lambda m, a, o: self._final.__setitem__("h", o))
 
     def forward(self, input_ids: torch.Tensor, *, tap_layers=(), cache=None, slots=None, positions=None,
-                attn_mask=None) -> ModelOutput:
+                attn_mask=None, logits_at: torch.Tensor | None = None) -> ModelOutput:
+        """MoETransformer.forward's contract for full causal forwards; with `logits_at` the logits are
+        the (N, V) rows at those positions, picked from Megatron's output layer's (B, T, V)."""
         if cache is not None or slots is not None or attn_mask is not None:
             raise MegatronBackendError("MegatronPolicy runs full causal forwards only (no cache, no explicit mask)")
         B, T = input_ids.shape
@@ -137,6 +139,8 @@ class MegatronPolicy(torch.nn.Module):
         hidden = self._final.pop("h").transpose(0, 1)  # (B, T, H)
         # The load-balancing loss is already attached to the router's autograd graph (see the
         # module docstring): report 0 so GRPOTrainer does not add it a second time.
+        if logits_at is not None:
+            logits = logits[logits_at]
         return ModelOutput(logits=logits, hidden=hidden, taps=taps.taps if taps else {},
                            aux_loss=logits.new_zeros((), dtype=torch.float32), expert_counts=None)
 

@@ -403,7 +403,7 @@ def plan_attention(input_ids: torch.Tensor, cache: KVCache | None, slots, positi
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor  # (B, T, V); (N, V) at the N positions `logits_at` marks, in row-major order
     hidden: torch.Tensor  # (B, T, H) final hidden state, after the final norm
     taps: dict[int, torch.Tensor] = field(default_factory=dict)  # layer id -> (B, T, H)
     aux_loss: torch.Tensor | None = None  # load-balancing loss, summed over MoE layers (None without autograd)
@@ -435,7 +435,8 @@ class MoETransformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None, slots: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                tap_layers=(), key_len: int | None = None, moe_dispatch: str = "exact") -> ModelOutput:
+                tap_layers=(), key_len: int | None = None, moe_dispatch: str = "exact",
+                logits_at: torch.Tensor | None = None) -> ModelOutput:
         """input_ids (B, T).
 
         Without a cache: a full causal forward (training, log-prob recomputation); attn_mask
@@ -445,6 +446,10 @@ class MoETransformer(nn.Module):
         themselves, causally or per attn_mask (B, T, T). The slot lengths advance by T; callers
         roll back whatever they do not keep. key_len: see KVCache.begin_block. moe_dispatch: see
         MoE.forward ("dense" is for inference blocks; training ignores it).
+        logits_at (B, T) bool: the LM head runs at those positions only, and `logits` is (N, V) in
+        row-major order of the mask (a policy update needs the answer positions alone: the head over
+        a 49k vocabulary at every prompt and padding position is a large part of a small model's
+        step). Logits are computed in fp32 even under autocast: they are what log-probs come from.
         """
         if moe_dispatch not in MOE_DISPATCHES:
             raise ValueError(f"moe_dispatch must be one of {MOE_DISPATCHES}, got {moe_dispatch!r}")
@@ -468,7 +473,15 @@ class MoETransformer(nn.Module):
         if block is not None:
             block.commit()
         h = self.norm(x)
-        return ModelOutput(logits=self.lm_head(h), hidden=h, taps=taps, aux_loss=aux_total,
+        if logits_at is not None:
+            with torch.autocast(h.device.type, enabled=False):
+                logits = F.linear(h[logits_at].float(), self.lm_head.weight.float())
+        elif torch.is_autocast_enabled(h.device.type):
+            with torch.autocast(h.device.type, enabled=False):
+                logits = F.linear(h.float(), self.lm_head.weight.float())
+        else:
+            logits = self.lm_head(h)
+        return ModelOutput(logits=logits, hidden=h, taps=taps, aux_loss=aux_total,
                            expert_counts=torch.stack(counts) if counts else None)
 
     def num_parameters(self) -> int:

@@ -156,6 +156,47 @@ def test_trainer_forward_source_trims_padding(tiny_model, tiny_cfg):
     assert all(r["target_logp"] is None for r in buf2.sample(2, None))
 
 
+@pytest.mark.parametrize("heldout_only", [False, True])
+def test_logits_at_the_answer_positions_give_the_soft_targets_full_logits_give_where_they_are_read(
+        tiny_model, tiny_cfg, heldout_only):
+    """The trainer's forward computes logits at the answer positions only, (N, V): the stored soft
+    targets equal the full-logit ones wherever the draft's loss and the held-out measure read them
+    (positions whose next token is an answer token), hold the floor elsewhere, and the held-out
+    rows (a frozen draft's only ones) pick the right rows' logits."""
+    from target_training.grpo import logit_positions
+
+    torch.manual_seed(3)
+    B, T = 5, 11
+    ids = torch.randint(3, 64, (B, T))
+    mask = torch.zeros(B, T, dtype=torch.bool)
+    for b, (lo, hi) in enumerate([(4, 11), (2, 6), (5, 9), (3, 11), (6, 8)]):
+        mask[b, lo:hi] = True
+    d2t, _ = build_draft_vocab([ids.reshape(-1)], 64, 16)
+    layers = tiny_cfg.feature_layer_ids
+    with torch.no_grad():
+        full = tiny_model(ids, tap_layers=layers)
+        compact = tiny_model(ids, tap_layers=layers, logits_at=logit_positions(mask))
+    bufs = []
+    for out in (full, compact):
+        buf = FeatureBuffer(budget_bytes=10**6, heldout_every=2, heldout_records=8)
+        buf.heldout_only = heldout_only
+        buf.add_from_trainer_forward(ids, out.features(layers), out.logits, mask, d2t, policy_version=1)
+        bufs.append(buf)
+    pairs = list(zip(bufs[0].heldout, bufs[1].heldout))
+    if not heldout_only:
+        pairs += list(zip(bufs[0].sample(len(bufs[0]), torch.Generator().manual_seed(0)),
+                          bufs[1].sample(len(bufs[1]), torch.Generator().manual_seed(0))))
+    assert len(bufs[1].heldout) == 3 and len(pairs) == (3 if heldout_only else 5)
+    for a, b in pairs:
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        read = torch.zeros_like(a["loss_mask"])
+        read[:-1] = a["loss_mask"][1:]
+        assert torch.allclose(a["target_logp"][read].float(), b["target_logp"][read].float(), atol=1e-3)
+        assert (b["target_logp"][~read].float() == _LOGP_FLOOR).all()
+    with pytest.raises(ValueError, match="answer positions"):
+        bufs[1].add_from_trainer_forward(ids, compact.features(layers), compact.logits[:-1], mask, d2t, 1)
+
+
 def test_logprob_hook_on_grpo_trainer(tiny_model, tiny_cfg):
     """Wired as a GRPOTrainer log-prob hook, the buffer fills from the trainer's own forward."""
     buf = FeatureBuffer(budget_bytes=10**6)

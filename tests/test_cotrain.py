@@ -602,3 +602,48 @@ def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_m
     assert rechecks == [None] * 5  # the draft has not moved since: no block of slow rollouts again
     value["e"] = 6.5  # twice better than when it was last measured: predicted 0.5 * 6.5 / 3.0
     assert step("plain", 5.0).get("sched/run_recheck") == "spec"
+
+
+@pytest.mark.parametrize("share", [0.01, 1.0])
+def test_an_idle_draft_is_measured_only_as_often_as_its_share_of_the_step_allows(tiny_model, monkeypatch, share):
+    """Plain decoding chosen and no update granted: the serving draft's held-out measurement (25 ms
+    on a 1 s step here, on a stand-in clock) runs every 3rd step under heldout_idle_share 0.01, the
+    smallest interval that keeps it within 1% of the step; with the share at 1.0, every step."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import specrl.cotrain as cotrain_module
+    from rollout.protocol import Rollout, RolloutStats
+    from specrl.config import DraftBudgetConfig
+
+    clock = [0.0]
+    monkeypatch.setattr(cotrain_module.time, "perf_counter", lambda: clock[0])
+    cot, _ = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=0,
+                                heldout_idle_share=share)
+
+    def heldout(draft):
+        clock[0] += 0.025
+        return 2.0
+
+    monkeypatch.setattr(cot, "_heldout_value", heldout)
+    spec = SimpleNamespace(spec=None)
+    for arm in ["spec"] * 6 + ["plain"] * 6:  # speculation timed slower: plain decoding is chosen
+        cot.begin_step()
+        cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
+        cot.end_step(train=False)
+    assert cot.run_choice.speculate is False
+    gen = torch.Generator().manual_seed(1)
+    measured = []
+    for _ in range(12):
+        cot.begin_step()
+        cot.on_rollout(Rollout([spec], RolloutStats(5.0, 1000, speculated=False)))
+        ids = torch.randint(3, 64, (2, 16), generator=gen)  # new held-out answers every step
+        mask = torch.zeros(2, 16, dtype=torch.bool)
+        mask[:, 6:] = True
+        out = tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids)
+        cot.buffer.add_from_trainer_forward(ids, out.features(cot.draft.cfg.aux_layer_ids), out.logits, mask,
+                                            cot.draft.d2t, cot.policy_version)
+        clock[0] += 1.0
+        measured.append(cot.end_step()["sched/heldout_accept_length"] is not None)
+    assert measured == ([True, False, False] * 4 if share < 1 else [True] * 12), measured

@@ -105,3 +105,109 @@ def test_the_logprob_mismatch_is_read_before_the_policy_moves(tiny_model, prompt
                             request_ids=range(16))
     m = trainer.step(trajs, [float(i % 2) for i in range(16)], group_size=16)
     assert m["logprob_mismatch"] < 1e-4
+
+
+def _sgd(model, lr):
+    """apply_gradients for grpo_update: plain SGD, so that rounding-level gradient differences stay
+    rounding-level in the weights (Adam's first steps turn a near-zero gradient into a full step)."""
+    def apply(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+        return None
+    return apply
+
+
+def _reference_update(model, trajs, rewards, group_size, cfg):
+    """GRPO as written plainly: logits at every position of the whole padded batch, the old log-probs
+    from a pass over every minibatch before the first update, fp32 (what grpo_update must equal)."""
+    from target_training.grpo import group_advantages
+
+    step = _sgd(model, cfg.lr)
+    batch = pack_batch(trajs)
+    ids, mask = batch["input_ids"], batch["response_mask"]
+    adv = group_advantages(torch.tensor(rewards), group_size)
+
+    def logp_of(rows):
+        lp = (model(ids[rows]).logits[:, :-1].float() / cfg.temperature).log_softmax(-1)
+        return torch.cat([torch.zeros(lp.shape[0], 1), lp.gather(-1, ids[rows, 1:, None])[..., 0]], 1)
+
+    with torch.no_grad():
+        old = torch.cat([logp_of(slice(lo, lo + cfg.minibatch_size)) for lo in range(0, len(trajs), cfg.minibatch_size)])
+    model.train()
+    for lo in range(0, len(trajs), cfg.minibatch_size):
+        sl = slice(lo, lo + cfg.minibatch_size)
+        step(grpo_loss(logp_of(sl), old[sl], adv[sl], mask[sl], cfg.clip_eps)[0])
+    model.eval()
+
+
+def test_the_update_at_answer_positions_on_trimmed_minibatches_equals_the_plain_full_vocabulary_update(tiny_model,
+                                                                                                        prompts):
+    """grpo_update computes logits at the answer positions only, cuts each minibatch to its own
+    longest sequence and takes the first minibatch's old log-probs from its first forward; in fp32
+    on CPU the weights after the update (plain SGD steps) equal those of the plain algorithm (every
+    position's logits, the padded batch, a full pass for the old log-probs) to float rounding. The
+    router's load-balancing loss is left out: it averages over every token a forward sees, padding
+    included, so cutting padding changes it (for the better: padding is not routed text)."""
+    import copy
+
+    from target_training.grpo import grpo_update
+
+    torch.manual_seed(0)
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=16))
+    # lengths vary a lot: the minibatches are padded to different lengths
+    trajs = engine.generate([prompts[i % 8] for i in range(16)],
+                            SamplingParams(temperature=1.0, max_new_tokens=12, stop_token_ids=(5, 6, 7, 8), seed=2),
+                            request_ids=range(16))
+    assert len({len(t.prompt_ids) + len(t.token_ids) for t in trajs}) > 4
+    rewards = [float(i % 3 == 0) for i in range(16)]
+    cfg = GRPOConfig(lr=0.5, minibatch_size=4, clip_eps=0.1)
+    start = copy.deepcopy(tiny_model.state_dict())
+    reference = copy.deepcopy(tiny_model)
+    _reference_update(reference, trajs, rewards, 8, cfg)
+    m = grpo_update(tiny_model, trajs, rewards, 8, cfg, _sgd(tiny_model, cfg.lr), aux_coef=None)
+    assert m["clip_frac"] > 0  # later minibatches move away from the old log-probs: they matter here
+    moved = max((a - b).abs().max().item() for a, b in zip(reference.state_dict().values(), start.values()))
+    gap = max((a - b).abs().max().item() for a, b in zip(tiny_model.state_dict().values(),
+                                                          reference.state_dict().values()))
+    assert moved > 1e-2 and gap < 1e-4 * moved, (gap, moved)
+
+
+def test_token_logprobs_at_marked_positions_equal_the_full_ones_there(tiny_model):
+    from target_training.grpo import logit_positions, token_logprobs
+
+    torch.manual_seed(1)
+    ids = torch.randint(3, 64, (3, 9))
+    mask = torch.zeros(3, 9, dtype=torch.bool)
+    mask[0, 4:9], mask[1, 2:5], mask[2, 7:9] = True, True, True
+    pos = logit_positions(mask)
+    with torch.no_grad():
+        full_lp, full_ent = token_logprobs(tiny_model(ids).logits, ids, 0.8)
+        out = tiny_model(ids, logits_at=pos)
+        lp, ent = token_logprobs(out.logits, ids, 0.8, pos)
+    assert out.logits.shape == (int(mask.sum()), 64)
+    assert torch.allclose(lp[mask], full_lp[mask], atol=1e-6) and torch.allclose(ent[mask], full_ent[mask], atol=1e-5)
+    assert lp[~mask].abs().max() == 0 and ent[~mask].abs().max() == 0
+
+
+def test_bf16_compute_keeps_the_update_close_to_fp32_and_fp32_weights(tiny_model, prompts):
+    """compute_dtype "bf16": the forwards run under autocast (the log-probs move by bf16 rounding,
+    not more), the weights stay fp32, and "auto" follows the device's native bf16."""
+    from target_training.grpo import native_bf16, update_autocast
+
+    engine = EmbeddedEngine(tiny_model, EngineConfig(max_batch=8))
+    trajs = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=10, seed=4))
+    fp32 = GRPOTrainer(tiny_model, GRPOConfig(compute_dtype="fp32")).recompute_logprobs(trajs)
+    bf16 = GRPOTrainer(tiny_model, GRPOConfig(compute_dtype="bf16")).recompute_logprobs(trajs)
+    mask = pack_batch(trajs)["response_mask"]
+    gap = (fp32 - bf16).abs()[mask]
+    assert 0 < gap.max() < 0.5 and gap.mean() < 0.05
+    m = GRPOTrainer(tiny_model, GRPOConfig(compute_dtype="bf16", minibatch_size=4)).step(trajs, [0.0, 1.0] * 4, 2)
+    assert all(p.dtype == torch.float32 for p in tiny_model.parameters()) and m["logprob_mismatch"] > 1e-4
+    assert update_autocast("auto", torch.device("cpu")).fast_dtype == torch.bfloat16
+    assert update_autocast("auto", torch.device("cpu"))._enabled == native_bf16(torch.device("cpu"))
+    with pytest.raises(ValueError, match="compute_dtype"):
+        GRPOConfig(compute_dtype="fp16")

@@ -41,7 +41,10 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
   accept_length_curve      the accept length of every step, warm-up included
   accept_length_heldout_curve  the serving draft's expected accept length on held-out answers of
                            every step, whether or not speculation served it; heldout_end_over_start:
-                           its mean over the last 3 steps over the first 3
+                           its mean over the last 3 steps over the first 3 (steps where an idle
+                           draft was not measured, CoTrainConfig.heldout_idle_share, hold None)
+  kl_from_start_curve      with a preset that keeps its start as the reference (kl_from_start): the
+                           policy's KL from its start on every step's rollout
   cotrain_share            median over steps of (feature capture + draft training) / step_s
   segment_step_speedups    the same ratio within each segment (its spread is the ratio's noise)
 
@@ -263,6 +266,8 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["spec_step_fraction"] = (sum(r.get("rollout/spec_steps") or 0 for r in rs) / steps) if steps else None
         m["engine_steps"] = _median(r.get("rollout/engine_steps") for r in rs)  # same tokens: fewer steps, less work
         m["accept_length_curve"] = [r.get("rollout/spec_accept_length") for r in rows[a]]  # every step, in order
+        if any(r.get("kl_ref") for r in rows[a]):  # a reference is kept: KL from the start on each step's rollout
+            m["kl_from_start_curve"] = [r.get("kl_ref") for r in rows[a]]
         # the serving draft's expected accept length on held-out answers of that step, whether or not
         # speculation served it (draft_models.ttt.expected_accept_length)
         m["accept_length_heldout_curve"] = [r.get("sched/heldout_accept_length") for r in rows[a]]
