@@ -45,7 +45,8 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
                            draft was not measured, CoTrainConfig.heldout_idle_share, hold None)
   kl_from_start_curve      with a preset that keeps its start as the reference (kl_from_start): the
                            policy's KL from its start on every step's rollout
-  cotrain_share            median over steps of (feature capture + draft training) / step_s
+  cotrain_share            median over steps of (feature capture + draft training) / step_s;
+                           cotrain_share_total: their sum over the steps' sum
   segment_step_speedups    the same ratio within each segment (its spread is the ratio's noise)
 
 A projection, labelled as such: this CPU makes a policy update dear against a rollout, where
@@ -244,8 +245,11 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m = {"step_s": _median(r["step_s"] for r in rs), "rollout_s": _median(r["rollout_s"] for r in rs)}
         for name, key in PARTS.items():
             m[name] = _median(r.get(key) for r in rs)
-        m["cotrain_share"] = _median((r.get("perf/feature_capture_s", 0.0) + r.get("perf/draft_train_s", 0.0))
-                                     / r["step_s"] for r in rs)
+        cot = [r.get("perf/feature_capture_s", 0.0) + r.get("perf/draft_train_s", 0.0) for r in rs]
+        m["cotrain_share"] = _median(c / r["step_s"] for c, r in zip(cot, rs))
+        # the run's co-training seconds over its step seconds: what the budget's hard cap bounds (a step
+        # of one update can exceed the cap when others make none, so the median share can sit above it)
+        m["cotrain_share_total"] = sum(cot) / sum(r["step_s"] for r in rs)
         m["step_speedup"] = _median(r["step_s"] for r in off) / m["step_s"]
         # every timed step counted, outliers too (an engine restart, the run choice's timed rollouts)
         m["total_step_speedup"] = sum(r["step_s"] for r in off) / sum(r["step_s"] for r in rs)
