@@ -578,7 +578,9 @@ def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_m
     from rollout.protocol import Rollout, RolloutStats
     from specrl.config import DraftBudgetConfig
 
-    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=0)
+    # measured every step (an idle draft's measurement interval is another test's subject)
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=0,
+                                     heldout_idle_share=1.0)
     value = {"e": 1.4}
     monkeypatch.setattr(cot, "_heldout_value", lambda draft: value["e"])
     choice, spec = cot.run_choice, SimpleNamespace(spec=None)
