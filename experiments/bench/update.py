@@ -20,7 +20,6 @@ Outputs in DIR: summary.json.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 import time
