@@ -152,9 +152,9 @@ DRIFT_PRESETS: dict[str, DriftPreset] = {
     "speed-drift": DriftPreset(rl=_drift_rl("speed-drift"), eval_every=10, timing_repeats=2, final_timing_repeats=4,
                                reference_every=0, speed_batches=(1, 16, 64)),
     # The real model (SmolLM2-135M-Instruct on word problems): the RL preset "real" as it is (32 answers per
-    # step, its learning rate and bf16 update) for 24 steps, evaluated every 8; the reference draft is
+    # step, its learning rate and bf16 update) for 40 steps, evaluated every 10; the reference draft is
     # retrained at the end only (one offline training is about 9 minutes).
-    "real": DriftPreset(rl=_drift_rl("real", rl_steps=24), eval_every=8, eval_prompts=16, eval_batch=8,
+    "real": DriftPreset(rl=_drift_rl("real", rl_steps=40), eval_every=10, eval_prompts=16, eval_batch=8,
                         timing_repeats=1, speed_batches=(1, 8)),
     "full": DriftPreset(rl=_drift_rl("full", rl_steps=300, task_kwargs=RL_PRESETS["drift"].task_kwargs,
                                      cotrain=cotrained(SpecConfig(mode="chain", gamma=6))), eval_every=30, eval_prompts=64, eval_batch=64,
