@@ -31,7 +31,7 @@ import torch
 from draft_models.train import _LOGP_FLOOR
 from draft_models.vocab import restrict_to_draft
 from rollout.transfer import download, settle
-from target_training.grpo import logit_positions
+from target_training.grpo import answer_lengths, logit_positions
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -162,8 +162,7 @@ class FeatureBuffer:
             raise ValueError(f"features {tuple(features.shape)} and response_mask {tuple(response_mask.shape)} "
                              f"must match input_ids {(B, T)}")
         mask = response_mask.detach().to(torch.bool)
-        pos = torch.arange(T, device=mask.device)
-        lengths = (torch.where(mask, pos, torch.full_like(pos, -1)).amax(-1) + 1).tolist()
+        lengths = answer_lengths(mask).tolist()
         held = []  # per row: held out of training (every heldout_every-th non-empty row, soft targets needed)
         for n in lengths:
             held.append(n > 0 and self.heldout_every > 0 and logits is not None and self._rows % self.heldout_every == 0)
@@ -182,8 +181,10 @@ class FeatureBuffer:
                 return 0
             if len(rows) < B:
                 idx = torch.tensor(rows, device=input_ids.device)
-                if at is not None:
-                    logits = logits[at.nonzero()[:, 0].unsqueeze(1).eq(idx).any(1)]
+                if at is not None:  # the compact rows are row-major: keep those of the held-out rows
+                    keep = torch.zeros(B, dtype=torch.bool, device=at.device)
+                    keep[idx] = True
+                    logits = logits[keep[:, None].expand(B, T)[at]]
                     at = at[idx]
                 elif logits is not None:
                     logits = logits[idx]

@@ -397,8 +397,8 @@ class SpecCoTrainer:
             return
         measure_s, step_s, waited = self._idle_measure
         choice = self.run_choice
-        trains = self.draft_trainer is not None and self.budget.steps(self.config.max_draft_steps) > 0
-        idle = choice is not None and choice.speculate is False and not trains
+        idle = choice is not None and choice.speculate is False and not (
+            self.draft_trainer is not None and self.budget.steps(self.config.max_draft_steps) > 0)
         if idle and measure_s > 0 and step_s > 0 and (waited + 1) * self.config.heldout_idle_share * step_s < measure_s:
             self.heldout = None
             self._idle_measure = (measure_s, step_s, waited + 1)

@@ -122,6 +122,14 @@ def logit_positions(response_mask: torch.Tensor) -> torch.Tensor:
     return pos
 
 
+def answer_lengths(response_mask: torch.Tensor) -> torch.Tensor:
+    """(B,) long: each row's last response position + 1 (0 for a row without one), the length a
+    right-padded row keeps when its padding is cut."""
+    mask = response_mask.flatten(1).to(torch.bool)
+    pos = torch.arange(1, mask.shape[1] + 1, device=mask.device)
+    return (mask * pos).amax(1)
+
+
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
                    positions: torch.Tensor | None = None, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-prob (B, T) of token j given tokens < j, and the entropy (B, T) of that predictive
@@ -207,39 +215,38 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
     Cost: each minibatch is cut to its own longest sequence (right padding: exact); the pass that
     computes the old log-probs before any update skips the first minibatch, whose first forward
     precedes every update and gives them; forwards run under GRPOConfig.compute_dtype."""
-    if forward is None:
-        def forward(input_ids, response_mask, *, run_hooks):
+    def answer_forward(net):  # a model's forward with logits at the answer positions only
+        def fwd(input_ids, response_mask, *, run_hooks):
             positions = logit_positions(response_mask)
-            out = model(input_ids, logits_at=positions)
+            out = net(input_ids, logits_at=positions)
             return (*token_logprobs(out.logits, input_ids, cfg.temperature, positions), out)
+        return fwd
+
+    forward = forward or answer_forward(model)
     dev = next(model.parameters()).device
     autocast = lambda: update_autocast(cfg.compute_dtype, dev)  # noqa: E731
     batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
     adv = group_advantages(torch.as_tensor(rewards, dtype=torch.float32), group_size, cfg.adv_eps).to(dev)
     B = batch["input_ids"].shape[0]
     mb = cfg.minibatch_size or B
-    lengths = batch["response_mask"].flatten(1).cumsum(1).argmax(1) + 1  # (B,) last response position + 1
+    lengths = answer_lengths(batch["response_mask"])  # (B,)
 
     def rows(lo: int):  # minibatch [lo, lo + mb) cut to its longest sequence: (slice, T_mb)
-        return slice(lo, lo + mb), int(lengths[lo: lo + mb].max())
+        return slice(lo, lo + mb), max(1, int(lengths[lo: lo + mb].max()))
 
-    ref_logp = None
-    if ref_model is not None:
-        ref_logp = torch.zeros_like(batch["old_logp"])
+    def logprob_pass(fwd, out: torch.Tensor, first: int) -> torch.Tensor:  # no-grad log-probs into out
         with torch.no_grad(), autocast():
-            for lo in range(0, B, mb):
+            for lo in range(first, B, mb):
                 sl, T = rows(lo)
-                ids, pos = batch["input_ids"][sl, :T], logit_positions(batch["response_mask"][sl, :T])
-                ref_logp[sl, :T] = token_logprobs(ref_model(ids, logits_at=pos).logits, ids, cfg.temperature, pos)[0]
+                out[sl, :T] = fwd(batch["input_ids"][sl, :T], batch["response_mask"][sl, :T], run_hooks=False)[0]
+        return out
+
+    ref_logp = None if ref_model is None else logprob_pass(answer_forward(ref_model), torch.zeros_like(batch["old_logp"]), 0)
     engine_logp = batch["old_logp"]
     trainer_old = cfg.old_logprobs == "trainer"
     old_logp = engine_logp.clone() if trainer_old else engine_logp
     if trainer_old and (cfg.ppo_epochs > 1 or mb < B):  # later minibatches follow an update
-        with torch.no_grad(), autocast():
-            for lo in range(mb, B, mb):  # the first minibatch's come from its first forward below
-                sl, T = rows(lo)
-                old_logp[sl, :T] = forward(batch["input_ids"][sl, :T], batch["response_mask"][sl, :T],
-                                           run_hooks=False)[0]
+        logprob_pass(forward, old_logp, mb)  # the first minibatch's come from its first forward below
     sums: dict[str, float] = {}
     n_updates = 0
     total_updates = cfg.ppo_epochs * -(-B // mb)

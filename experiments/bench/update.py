@@ -64,20 +64,22 @@ def full_forward(model, temperature: float):
 @torch.no_grad()
 def answer_logprobs(model, trajectories, cfg, full: bool) -> torch.Tensor:
     """The answer tokens' log-probs (concatenated over the batch, in order) before any update."""
-    from target_training.grpo import GRPOTrainer, pack_batch, token_logprobs, update_autocast
+    from target_training.grpo import logit_positions, pack_batch, token_logprobs, update_autocast
 
     batch = pack_batch(trajectories)
     ids, mask = batch["input_ids"], batch["response_mask"]
     mb = cfg.minibatch_size or len(trajectories)
-    trainer = GRPOTrainer(model, cfg)
+    dev = next(model.parameters()).device
     parts = []
     for lo in range(0, len(trajectories), mb):
+        x, m = ids[lo: lo + mb].to(dev), mask[lo: lo + mb].to(dev)
         if full:
-            lp = token_logprobs(model(ids[lo: lo + mb]).logits, ids[lo: lo + mb], cfg.temperature)[0]
+            lp = token_logprobs(model(x).logits, x, cfg.temperature)[0]
         else:
-            with update_autocast(cfg.compute_dtype, trainer.device):
-                lp = trainer.forward_logprobs(ids[lo: lo + mb], mask[lo: lo + mb], run_hooks=False)[0]
-        parts.append(lp[mask[lo: lo + mb]])
+            pos = logit_positions(m)
+            with update_autocast(cfg.compute_dtype, dev):
+                lp = token_logprobs(model(x, logits_at=pos).logits, x, cfg.temperature, pos)[0]
+        parts.append(lp[m].cpu())
     return torch.cat(parts)
 
 
