@@ -44,13 +44,18 @@ def code_version() -> str:
         return f"specrl {version('specrl')}"
 
 
+# the code this process imported, read when it started: a run that outlives a commit ran this one
+CODE_AT_START = code_version()
+
+
 def machine_info() -> dict:
-    """The machine and the code a result ran on, with the date (UTC): every summary.json carries it."""
+    """The machine and the code a result ran on (the code when the process started), with the
+    date (UTC): every summary.json carries it."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "code_version": code_version()}
+            "code_version": CODE_AT_START}
 
 
 def turn_order(names, k: int) -> list:
