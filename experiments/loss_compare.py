@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from experiments.bench.common import machine_info  # at import: it records the code this process started with
+
 OBJECTIVES = {"ce": 0.0, "ce+tv": 1.0}  # name -> acceptance_weight
 
 
@@ -94,8 +96,6 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: in
     for name, m in result["arms"].items():
         log(f"[loss] {name:<6} held-out expected accept length {m['heldout_expected_accept_length']:.3f}, "
             f"measured {m['measured_accept_length']:.3f}")
-    from experiments.bench.common import machine_info
-
     result["machine"] = machine_info()
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=1))

@@ -160,6 +160,15 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return lp, ent
 
 
+def answer_forward(model, input_ids: torch.Tensor, response_mask: torch.Tensor, temperature: float, **model_kw):
+    """A policy forward with logits at the answer positions only (`logit_positions`): (logp (B, T),
+    entropy (B, T), ModelOutput whose logits are (N, V) at those positions); `model_kw` go to the
+    model (its feature taps)."""
+    positions = logit_positions(response_mask)
+    out = model(input_ids, logits_at=positions, **model_kw)
+    return (*token_logprobs(out.logits, input_ids, temperature, positions), out)
+
+
 def grpo_loss(logp, old_logp, adv, mask, clip_eps: float, ref_logp=None, kl_coef: float = 0.0,
               behaviour_logp=None, weight_cap: float | None = None):
     """Token-level clipped surrogate (mean over response tokens), optional k3 KL to a reference.
@@ -215,14 +224,11 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
     Cost: each minibatch is cut to its own longest sequence (right padding: exact); the pass that
     computes the old log-probs before any update skips the first minibatch, whose first forward
     precedes every update and gives them; forwards run under GRPOConfig.compute_dtype."""
-    def answer_forward(net):  # a model's forward with logits at the answer positions only
-        def fwd(input_ids, response_mask, *, run_hooks):
-            positions = logit_positions(response_mask)
-            out = net(input_ids, logits_at=positions)
-            return (*token_logprobs(out.logits, input_ids, cfg.temperature, positions), out)
-        return fwd
+    def at_answers(net):  # `forward`'s signature over answer_forward
+        return lambda input_ids, response_mask, *, run_hooks: answer_forward(net, input_ids, response_mask,
+                                                                              cfg.temperature)
 
-    forward = forward or answer_forward(model)
+    forward = forward or at_answers(model)
     dev = next(model.parameters()).device
     autocast = lambda: update_autocast(cfg.compute_dtype, dev)  # noqa: E731
     batch = {k: v.to(dev) for k, v in pack_batch(trajectories).items()}
@@ -241,7 +247,7 @@ def grpo_update(model, trajectories: Sequence, rewards: Sequence[float], group_s
                 out[sl, :T] = fwd(batch["input_ids"][sl, :T], batch["response_mask"][sl, :T], run_hooks=False)[0]
         return out
 
-    ref_logp = None if ref_model is None else logprob_pass(answer_forward(ref_model), torch.zeros_like(batch["old_logp"]), 0)
+    ref_logp = None if ref_model is None else logprob_pass(at_answers(ref_model), torch.zeros_like(batch["old_logp"]), 0)
     engine_logp = batch["old_logp"]
     trainer_old = cfg.old_logprobs == "trainer"
     old_logp = engine_logp.clone() if trainer_old else engine_logp
@@ -326,13 +332,9 @@ class GRPOTrainer:
         return next(self.model.parameters()).device
 
     def forward_logprobs(self, input_ids: torch.Tensor, response_mask: torch.Tensor, *, run_hooks: bool = True):
-        """The policy's forward with logits at the answer positions (`logit_positions`): (logp (B, T),
-        entropy (B, T), ModelOutput whose logits are (N, V) at those positions); the feature hooks
-        get that output."""
-        positions = logit_positions(response_mask)
-        out = self.model(input_ids, tap_layers=self.tap_layers if run_hooks and self.logprob_hooks else (),
-                         logits_at=positions)
-        logp, ent = token_logprobs(out.logits, input_ids, self.config.temperature, positions)
+        """`answer_forward` of the policy; the feature hooks get its output."""
+        logp, ent, out = answer_forward(self.model, input_ids, response_mask, self.config.temperature,
+                                        tap_layers=self.tap_layers if run_hooks and self.logprob_hooks else ())
         if run_hooks:
             for hook in self.logprob_hooks:
                 hook(input_ids, out, response_mask)

@@ -64,7 +64,7 @@ def full_forward(model, temperature: float):
 @torch.no_grad()
 def answer_logprobs(model, trajectories, cfg, full: bool) -> torch.Tensor:
     """The answer tokens' log-probs (concatenated over the batch, in order) before any update."""
-    from target_training.grpo import logit_positions, pack_batch, token_logprobs, update_autocast
+    from target_training.grpo import answer_forward, pack_batch, token_logprobs, update_autocast
 
     batch = pack_batch(trajectories)
     ids, mask = batch["input_ids"], batch["response_mask"]
@@ -76,9 +76,8 @@ def answer_logprobs(model, trajectories, cfg, full: bool) -> torch.Tensor:
         if full:
             lp = token_logprobs(model(x).logits, x, cfg.temperature)[0]
         else:
-            pos = logit_positions(m)
             with update_autocast(cfg.compute_dtype, dev):
-                lp = token_logprobs(model(x, logits_at=pos).logits, x, cfg.temperature, pos)[0]
+                lp = answer_forward(model, x, m, cfg.temperature)[0]
         parts.append(lp[m].cpu())
     return torch.cat(parts)
 
