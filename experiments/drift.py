@@ -513,7 +513,7 @@ def deterministic_part(summary: dict) -> dict:
 def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
               progress: bool = True, plots: bool = True, reference_every: int | None = None,
               engine: str = "embedded", rl_steps: int | None = None, deep_target: str | None = None,
-              log=print) -> dict:
+              device: str = "auto", log=print) -> dict:
     """The experiment on `engine` ("embedded" or "vllm", a key of DECODINGS). `rl_steps`
     shortens the preset's RL run (evaluation points stay every `eval_every` steps and at the end);
     `deep_target` overrides the preset's (a model preset name, "" for none)."""
@@ -538,7 +538,7 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
     out.mkdir(parents=True, exist_ok=True)
     evaluator = DriftEvaluator(preset, log=log, task=task, engine=engine)
     rl_summary = train_rl(task, preset.rl, out / "rl", seed=seed, cache_dir=cache_dir, progress=progress,
-                          spec="online", engine=engine, callbacks=(evaluator,), log=log)
+                          spec="online", engine=engine, device=device, callbacks=(evaluator,), log=log)
     rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines() if line]
     with open(out / "metrics.jsonl", "w") as f:
         for row in evaluator.rows:

@@ -206,6 +206,20 @@ STEPS_HELP = "GRPO steps (default: the preset's)"
 Engine = Literal["embedded", "vllm"]
 
 
+def device_flag():
+    """--device of the commands that run the RL loop (specrl.rl_setup.resolve_device)."""
+    return flag("auto", "where the policy, its trainer, the draft and the embedded engine run: auto (a CUDA GPU "
+                        "where torch sees one and the engine is embedded, else the CPU), cpu, cuda or cuda:N; the SFT "
+                        "warm start and the offline draft's cache are the CPU's either way", metavar="DEVICE")
+
+
+def check_device(command: Command) -> None:
+    """The --device of `command` on its --engine, before any work (one line naming the problem)."""
+    from specrl.rl_setup import resolve_device
+
+    resolve_device(command.device, command.engine)
+
+
 @dataclass(kw_only=True)
 class TrainRL(Run):
     """SFT warm start + GRPO on a verifiable task"""
@@ -223,9 +237,11 @@ class TrainRL(Run):
     reproducible: bool = flag(False, "fix every speculation and co-training decision at the start instead of "
                                      "timing it: the preset's chain at every step, draft updates by count; two "
                                      "runs with one seed, or a run and its resume, then train alike")
+    device: str = device_flag()
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_device(self)
         if self.drafter != "eagle3" and self.spec == "off":
             raise ValueError(f"--drafter {self.drafter} needs --spec frozen or online")
         if self.drafter == "history" and self.spec == "online":
@@ -237,7 +253,7 @@ class TrainRL(Run):
         return self._task_preset_out(), {**self._common(), "resume": self.resume, "steps": self.steps,
                                          "progress": not self.no_progress, "spec": self.spec,
                                          "engine": self.engine, "drafter": self.drafter,
-                                         "reproducible": self.reproducible}
+                                         "reproducible": self.reproducible, "device": self.device}
 
 
 @dataclass(kw_only=True)
@@ -273,6 +289,11 @@ class Drift(Run):
     deep_target: str | None = flag(None, "after the run, the same speed-against-batch sweep on this model preset's "
                                          "SFT policy and offline draft, e.g. speed (a 12-layer target); '' for none "
                                          "(default: the preset's, speed for full)", metavar="PRESET")
+    device: str = device_flag()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_device(self)
 
     def _run_preset(self):
         return resolve(DRIFT_PRESETS)[self.preset].rl
@@ -280,7 +301,8 @@ class Drift(Run):
     def call(self) -> tuple[tuple, dict]:
         return (self.preset, self.out), {**self._common(), "task": self.task, "progress": not self.no_progress,
                                          "reference_every": self.reference_every, "engine": self.engine,
-                                         "rl_steps": self.steps, "deep_target": self.deep_target}
+                                         "rl_steps": self.steps, "deep_target": self.deep_target,
+                                         "device": self.device}
 
 
 @dataclass(kw_only=True)
@@ -294,6 +316,8 @@ class AsyncDrift(Drift):
         if self.engine != "embedded" or self.deep_target is not None or self.reference_every is not None:
             raise ValueError("--async-staleness runs the embedded engine without reference or deep target; "
                              "drop --engine, --reference-every and --deep-target")
+        if self.device != "auto" and not self.device.startswith("cpu"):
+            raise ValueError("--async-staleness runs on the CPU (AReaL's loop here); drop --device")
 
     def call(self) -> tuple[tuple, dict]:
         return (self.preset, self.out), {**self._common(), "task": self.task,
@@ -495,11 +519,17 @@ class BenchRL(Run):
     warmup: int = flag(1, "first steps left out of the medians", lo=0)
     vllm_schedule: bool = flag(False, "(--engine vllm) speculate by batch size, from speed-ups measured on vLLM "
                                       "first (default: the preset's chain at every step)")
+    device: str = device_flag()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_device(self)
 
     def call(self) -> tuple[tuple, dict]:
         return self._task_preset_out(), {**self._common(), "engine": self.engine, "arms": self.arms,
                                          "steps": self.steps, "segment": self.segment, "warmup": self.warmup,
-                                         "vllm_schedule": self.vllm_schedule, "prompt_pool": self.prompt_pool}
+                                         "vllm_schedule": self.vllm_schedule, "prompt_pool": self.prompt_pool,
+                                         "device": self.device}
 
 
 # The command line: each (sub)command's name, the class whose fields are its flags, then its

@@ -10,6 +10,8 @@ import random
 import time
 from pathlib import Path
 
+import torch
+
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import Rollout, SamplingParams
 from specrl.presets import RunPreset
@@ -22,6 +24,27 @@ from target_training.tokenizer import CharTokenizer
 EVAL_REQUEST_OFFSET = 1 << 40  # request ids of evaluation samples, disjoint from training rollouts
 SEED_MAX = 2**32 - 1  # sampling noise keys on the seed's low 32 bits (rollout.sampling)
 ENGINES = ("embedded", "vllm", "sglang")
+DEVICES = ("auto", "cpu", "cuda")  # --device: "auto" is CUDA where torch sees a GPU and the engine is embedded
+
+
+def resolve_device(name: str, engine: str = "embedded") -> torch.device:
+    """The device the policy, its trainer, the draft and the embedded engine run on. "auto": the
+    current CUDA device where torch sees one and the rollout engine is the embedded one (vLLM and
+    SGLang serve the policy themselves; their trainer side stays on the CPU), else the CPU."""
+    if name not in DEVICES and not (name.startswith("cuda:") and name[5:].isdigit()):
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)} or cuda:N, got {name!r}")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() and engine == "embedded" else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if engine != "embedded":
+            raise ValueError(f"--device {name} runs the embedded engine; --engine {engine} serves the policy itself "
+                             "(drop --device or use --device cpu)")
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: this torch ({torch.__version__}) sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def check_seed(seed) -> None:
@@ -29,19 +52,21 @@ def check_seed(seed) -> None:
         raise ValueError(f"--seed must be an integer in [0, {SEED_MAX}], got {seed}")
 
 
-def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print, progress=False):
+def build_task_and_policy(task_name: str, preset: RunPreset, cache_dir: Path | None, log=print, progress=False,
+                          device: torch.device | str = "cpu"):
     """(tokenizer, task, policy, sft_info): the task and its policy after the (cached) SFT warm start,
-    or a real pretrained model (target_training.real_models) as it ships, with its chat tokenizer."""
+    or a real pretrained model (target_training.real_models) as it ships, with its chat tokenizer;
+    the policy on `device` (the warm start itself trains on the CPU, so its cache serves any device)."""
     task = get_task(task_name, **preset.task_kwargs)
     if is_real_model(preset.model):
         policy, hf_tokenizer = load_real_target(preset.model, cache_dir, max_seq_len=preset.context or None, log=log)
-        return ChatTokenizer(hf_tokenizer), task, policy, {"real_model": preset.model}
+        return ChatTokenizer(hf_tokenizer), task, policy.to(device), {"real_model": preset.model}
     tokenizer = CharTokenizer()
     model_cfg = model_config_for(preset.model, tokenizer.vocab_size)
     task_spec = {"name": task_name, **preset.task_kwargs}
     policy, sft_info = warm_start(task, task_spec, tokenizer, model_cfg, preset.sft, cache_dir, log=log,
                                   progress=progress)
-    return tokenizer, task, policy, sft_info
+    return tokenizer, task, policy.to(device), sft_info
 
 
 def build_engine(name: str, policy, preset: RunPreset, out: Path, *, sglang_url: str = "http://127.0.0.1:30000"):

@@ -25,7 +25,7 @@ from specrl.run_choice import choice_history
 from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, read_metrics, restore_state,
                             run_identity, save_state, write_summary)
 from specrl.rl_setup import (ENGINES, build_engine, build_task_and_policy, check_seed, encode_prompts, evaluate,
-                          generate_step, rollout_params, score, step_examples, sync_policy)
+                          generate_step, resolve_device, rollout_params, score, step_examples, sync_policy)
 from specrl.step_clock import StepClock, step_parts
 from target_training.grpo import GRPOTrainer
 from target_training.sft import default_cache_dir
@@ -34,14 +34,14 @@ from target_training.sft import default_cache_dir
 def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int = 0,
              resume: bool = False, steps: int | None = None, cache_dir: Path | None = None, progress: bool = True,
              spec: str = "off", engine: str = "embedded", drafter: str | None = None, reproducible: bool = False,
-             callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
+             device: str = "auto", callbacks: tuple[RLCallback, ...] = (), log=print) -> dict:
     """One RL run into `out_dir` (or its continuation, with `resume`); returns the summary.
     `reproducible`: the preset's co-training with every decision fixed at the start
     (specrl.presets.reproducible)."""
     t_start = time.perf_counter()
     run, start_step, eval_start = start_run(task_name, preset_name, out_dir, seed=seed, resume=resume, steps=steps,
                                             cache_dir=cache_dir, progress=progress, spec=spec, engine=engine,
-                                            drafter=drafter, reproducible=reproducible, log=log)
+                                            drafter=drafter, reproducible=reproducible, device=device, log=log)
     preset, task, tokenizer = run.preset, run.task, run.tokenizer
     policy, rollout, trainer, cotrain = run.policy, run.engine, run.trainer, run.cotrain
     for cb in callbacks:
@@ -59,7 +59,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
     eval_end = evaluate(rollout, task, tokenizer, run.heldout, preset, seed)
     choice = choice_history(read_metrics(run.out / METRICS_FILE)) if cotrain.run_choice is not None else None
     summary = {"task": task_name, "preset": run.preset_name, "seed": seed, "spec": spec, "engine": engine,
-               "rl_steps": preset.rl_steps,
+               "device": str(run.device), "rl_steps": preset.rl_steps,
                "reward_start": eval_start["reward"], "reward_end": eval_end["reward"],
                "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
                "eval_prompts": len(run.heldout), "eval_samples_per_prompt": preset.eval_samples,
@@ -125,6 +125,7 @@ class RLRun:
     trainer: GRPOTrainer
     cotrain: SpecCoTrainer
     preset_name: str = "custom"
+    device: torch.device = torch.device("cpu")  # where the policy, its trainer, the draft and the embedded engine run
     heldout: list = dataclasses.field(default_factory=list)  # evaluation prompts
     pool: list = dataclasses.field(default_factory=list)  # training prompts each step samples from
     sft_info: dict = dataclasses.field(default_factory=dict)
@@ -146,7 +147,7 @@ class RLCallback:
 
 def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, *, seed: int, resume: bool,
               steps: int | None, cache_dir: Path | None, progress: bool, spec: str, engine: str,
-              drafter: str | None = None, reproducible: bool = False, log=print,
+              drafter: str | None = None, reproducible: bool = False, device: str = "auto", log=print,
               evaluate_start: bool = True) -> tuple[RLRun, int, dict | None]:
     """Check the settings, open the run folder, build task, policy, engine, trainer and
     co-trainer, resume from the checkpoint where asked, and evaluate the starting policy
@@ -169,12 +170,13 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
         from rollout.vllm_engine import require_vllm
 
         require_vllm()  # before any work: one line naming the fix
+    dev = resolve_device(device, engine)
     open_run_dir(out, run_identity(task_name, preset, preset_name, seed, spec), resume, log)
     torch.manual_seed(seed)
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     check_writable(cache_dir)
-    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress)
+    tokenizer, task, policy, sft_info = build_task_and_policy(task_name, preset, cache_dir, log, progress, device=dev)
     rollout = build_engine(engine, policy, preset, out)
     # the reference is the policy as built, before any checkpoint is restored: the start, also on resume
     reference = copy.deepcopy(policy) if preset.kl_from_start or preset.grpo.kl_coef > 0 else None
@@ -193,7 +195,7 @@ def start_run(task_name: str, preset_name: str | RunPreset, out_dir: str | Path,
         log(f"[rl] held-out reward at start: {eval_start['reward']:.3f} "
             f"(greedy accuracy {eval_start['greedy_accuracy']:.3f})")
     run = RLRun(preset, seed, out, cache_dir, tokenizer, task, policy, rollout, trainer, cotrain,
-                preset_name=preset_name, heldout=heldout, pool=pool, sft_info=sft_info)
+                preset_name=preset_name, device=dev, heldout=heldout, pool=pool, sft_info=sft_info)
     return run, start_step, eval_start
 
 

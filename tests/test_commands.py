@@ -4,10 +4,11 @@ import dataclasses
 import inspect
 
 import pytest
+import torch
 
 from specrl import commands
 from specrl.cli import COMMANDS, build_parser, command_key, main
-from specrl.commands import AsyncDrift, BenchReal, BenchSpeed, Drift, TrainRL
+from specrl.commands import AsyncDrift, BenchReal, BenchRL, BenchSpeed, Drift, TrainRL
 
 
 def _subcommands():
@@ -77,6 +78,13 @@ def test_cross_field_rules_fire_in_post_init(tmp_path):
     with pytest.raises(ValueError, match="^--async-staleness runs the embedded engine"):
         AsyncDrift(preset="ci", out=out, async_staleness=(1,), engine="vllm")
     Drift(preset="ci", out=out, engine="vllm")  # the synchronous experiment takes --engine vllm
+    with pytest.raises(ValueError, match="^--device must be one of auto, cpu, cuda or cuda:N, got 'tpu'$"):
+        BenchRL(out=out, preset="ci", device="tpu")
+    with pytest.raises(ValueError, match="^--device cuda runs the embedded engine; --engine vllm serves"):
+        TrainRL(out=out, device="cuda", engine="vllm")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"^--device cuda:0: this torch \(.*\) sees no CUDA device$"):
+            Drift(preset="ci", out=out, device="cuda:0")
     ok = TrainRL(out=out, spec="frozen", drafter="history")
     assert (ok.preset, ok.task) == ("quick", "arith")  # defaults resolved from the preset
     assert not out.exists()  # refused and checked before any work

@@ -7,6 +7,7 @@ onto the GPU. Greedy and coupled speculation must give plain decoding's tokens t
 log-probs to 1e-4: GPU kernels of different block widths reorder float sums); rng sampling must
 run without a draft fault, with its generator on the GPU, and replay from its seed and ids."""
 import copy
+import json
 
 import pytest
 import torch
@@ -165,3 +166,25 @@ def test_overlapped_draft_training_on_a_cuda_stream(tiny_model):
         assert trained[k].device.type == DEVICE
         torch.testing.assert_close(trained[k], v, atol=1e-5, rtol=1e-4, msg=k)
     ovl.state_dict()  # collects it
+
+
+def test_the_rl_loop_runs_on_cuda(sft_policy, tmp_path):
+    """`train_rl(device="cuda")`: the policy, its trainer, the draft and the embedded engine on the
+    GPU for a whole online run (rollout with speculation, GRPO update, feature capture, draft
+    updates, swap): it ends with the policy still there, draft updates made and the device recorded."""
+    from specrl.train_rl import RLCallback, train_rl
+
+    seen = {}
+
+    class Watch(RLCallback):
+        def on_end(self, run, summary):
+            seen["policy"] = next(run.policy.parameters()).device
+            seen["draft"] = run.cotrain.draft.fc.weight.device
+
+    summary = train_rl("arith", "ci", tmp_path / "r", seed=3, steps=3, cache_dir=sft_policy[3], progress=False,
+                       spec="online", reproducible=True, device=DEVICE, callbacks=(Watch(),), log=lambda *a: None)
+    assert summary["device"] == DEVICE
+    assert seen["policy"].type == DEVICE and seen["draft"].type == DEVICE
+    rows = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and sum(r["train/draft_steps"] for r in rows) > 0
+    assert all(r["rollout/spec_steps"] > 0 for r in rows)

@@ -127,9 +127,9 @@ def vllm_schedule(task_name: str, preset_name: str, out: Path, seed: int, cache_
 def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedded", arms=DEFAULT_ARMS,
              steps: int | None = None, segment: int = 5, warmup: int = 1, seed: int = 0, cache_dir=None,
              vllm_schedule: bool = False, prompt_pool: int | None = None, progress: bool | None = None,
-             log=print) -> dict:
+             device: str = "auto", log=print) -> dict:
     """`progress`: bars with the time left on stderr for an uncached warm start and for the RL steps
-    (None: on a terminal only, False: none)."""
+    (None: on a terminal only, False: none); `device`: specrl.rl_setup.resolve_device."""
     from tqdm import tqdm
 
     from specrl.train_rl import rl_step, start_run
@@ -162,7 +162,7 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
         mode, preset = arm_setup(a, base)
         run, _, _ = start_run(task_name, dataclasses.replace(preset, rl_steps=n_steps), out / engine / a, seed=seed,
                               resume=False, steps=None, cache_dir=cache_dir, progress=progress, spec=mode,
-                              engine=engine, log=log, evaluate_start=False)
+                              engine=engine, device=device, log=log, evaluate_start=False)
         runs[a] = run
         if calibration is not None and mode != "off" and preset.cotrain.adaptive:
             run.engine.set_spec_schedule(calibration["schedule"])
@@ -189,7 +189,7 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     summary = {"model": base.model, "preset": preset_name, "task": task_name, "seed": seed, "steps": n_steps,
                "prompt_pool": base.prompt_pool,
                "segment": segment, "warmup_steps": warmup, "arms_order": list(arms),
-               "engines": {engine: summary}, "machine": machine_info()}
+               "device": str(runs[arms[0]].device), "engines": {engine: summary}, "machine": machine_info()}
     if calibration is not None:
         summary["engines"][engine]["vllm_schedule"] = calibration
     out.mkdir(parents=True, exist_ok=True)
