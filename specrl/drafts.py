@@ -57,9 +57,9 @@ def new_draft(policy, sequences, cfg: DraftTrainConfig, special_ids=(0, 1, 2)):
                                  always_include=special_ids)
     dcfg = Eagle3Config.for_target(mcfg, dv, ttt_steps=cfg.ttt_steps)
     torch.manual_seed(cfg.seed)
-    draft = dcfg.build(policy.embed_tokens)
+    draft = dcfg.build(policy.embed_tokens)  # initialised on the CPU: the same start on every device
     draft.set_vocab(d2t, t2d)
-    return draft
+    return draft.to(policy.embed_tokens.weight.device)
 
 
 def fit_draft(draft, policy, sequences, masks, cfg: DraftTrainConfig, log=print,
