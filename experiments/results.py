@@ -4,7 +4,8 @@ their spread, written as the JSON docs/results/ keeps (summaries, not run folder
     python -m experiments.results NAME --command "specrl bench rl --preset speed --seed {seed}" RUN_DIR ...
 
 Each RUN_DIR holds a command's summary.json (`specrl bench rl`, `specrl drift`, `specrl bench
-speed`, ...). Its numbers are read as flat keys: nested dicts by name, a list of rows by what
+speed`, ...), or the summary-unfinished.json of a bench rl run that stopped early (its
+`unfinished` field says which steps it summarizes). Its numbers are read as flat keys: nested dicts by name, a list of rows by what
 names a row (its batch, arm, mode, step, dtype, ...), e.g. `engines.embedded.arms.online.step_speedup` or
 `rows.b16.chain.speedup`; lists of plain numbers (curves) are left out. A key's median, min and
 max are over the runs that have it. The result keeps, per run, its seed, date and code version,
@@ -44,8 +45,11 @@ def collect(name: str, command: str, runs: list[Path]) -> dict:
     summaries = []
     for run in runs:
         path = Path(run) / "summary.json"
+        if not path.is_file():  # a bench rl run that stopped early: the report of its whole segments
+            path = Path(run) / "summary-unfinished.json"
         if not path.is_file():
-            raise ValueError(f"{run} holds no summary.json (a finished run's folder is needed)")
+            raise ValueError(f"{run} holds no summary.json (a finished run's folder is needed) "
+                             f"nor summary-unfinished.json (`specrl bench rl --report-unfinished`)")
         summaries.append(json.loads(path.read_text()))
     flat = [flatten({k: v for k, v in s.items() if k != "machine"}) for s in summaries]
     keys = sorted(set().union(*flat))

@@ -520,6 +520,10 @@ class BenchRL(Run):
     vllm_schedule: bool = flag(False, "(--engine vllm) speculate by batch size, from speed-ups measured on vLLM "
                                       "first (default: the preset's chain at every step)")
     device: str = device_flag()
+    report_unfinished: bool = flag(False, "run nothing: summarize the whole segments every arm of the unfinished "
+                                          "run in --out completed (killed or out of time) into "
+                                          "summary-unfinished.json; give the run's --preset/--model, --arms, "
+                                          "--segment and --engine")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -530,6 +534,20 @@ class BenchRL(Run):
                                          "steps": self.steps, "segment": self.segment, "warmup": self.warmup,
                                          "vllm_schedule": self.vllm_schedule, "prompt_pool": self.prompt_pool,
                                          "device": self.device}
+
+
+@dataclass(kw_only=True)
+class BenchRLReport(BenchRL):
+    """the report of a bench rl run that stopped before its end, from the steps its arms completed"""
+    KEY = "bench rl --report-unfinished"
+    SWITCH = "report_unfinished"
+
+    def __post_init__(self) -> None:
+        Run.__post_init__(self)  # no --device check: nothing runs
+
+    def call(self) -> tuple[tuple, dict]:
+        return self._task_preset_out(), {"engine": self.engine, "arms": self.arms, "segment": self.segment,
+                                         "warmup": self.warmup, "prompt_pool": self.prompt_pool}
 
 
 # The command line: each (sub)command's name, the class whose fields are its flags, then its
@@ -546,7 +564,7 @@ COMMAND_LINE = {
         "precision": (BenchPrecision,),
         "update": (BenchUpdate,),
         "real": (BenchReal,),
-        "rl": (BenchRL,),
+        "rl": (BenchRL, BenchRLReport),
     },
 }
 BENCH_HELP = "benchmarks that print and save JSON (see `specrl bench`)"

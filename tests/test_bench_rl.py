@@ -126,6 +126,40 @@ def test_a_folder_a_crashed_run_left_is_reused(bench, sft_policy, tmp_path, caps
     assert "already holds a bench rl run" in err and err.count("\n") == 1
 
 
+def test_an_unfinished_run_is_reported_from_the_segments_every_arm_completed(bench, tmp_path, capsys):
+    """`--report-unfinished` summarizes the whole segments every arm completed, as a finished run
+    is summarized, into summary-unfinished.json; it runs nothing and changes no arm folder; a
+    second report, or one with too few steps, is refused in one line (exit 2)."""
+    import shutil
+
+    out, _ = bench
+    cut = tmp_path / "rl"
+    shutil.copytree(out / "embedded", cut / "embedded")
+    online = cut / "embedded" / "online" / "metrics.jsonl"
+    online.write_text("".join(line + "\n" for line in online.read_text().splitlines()[:2]))  # killed mid-turn
+    before = {p: p.read_bytes() for p in cut.rglob("*") if p.is_file()}
+    argv = ["bench", "rl", "--preset", "ci", "--arms", "off,frozen,online,online-fixed", "--segment", "1",
+            "--report-unfinished", "--out", str(cut)]
+    assert main(argv) == 0
+    saved = json.loads((cut / "summary-unfinished.json").read_text())
+    assert saved["steps"] == 2 and saved["unfinished"] == {
+        "steps_run": {"off": 3, "frozen": 3, "online": 2, "online-fixed": 3}, "steps_summarized": 2}
+    rows = {a: _rows(out / "embedded" / a / "metrics.jsonl")[:2] for a in ("off", "frozen", "online", "online-fixed")}
+    want = summarize(rows, [(0, 1), (1, 2)], 1)
+    assert saved["engines"]["embedded"]["arms"] == json.loads(json.dumps(want["arms"]))
+    assert {p: p.read_bytes() for p in before} == before and not (cut / "summary.json").exists()
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "summary-unfinished.json exists; it is not replaced" in capsys.readouterr().err
+    few = tmp_path / "few"
+    shutil.copytree(cut / "embedded", few / "embedded")
+    online = few / "embedded" / "online" / "metrics.jsonl"
+    online.write_text(online.read_text().splitlines()[0] + "\n")
+    assert main([*argv[:-1], str(few)]) == 2
+    err = capsys.readouterr().err
+    assert "every arm completed 1 step(s); a report needs a whole segment" in err and err.count("\n") == 1
+
+
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
     (tmp_path / "embedded" / "off").mkdir(parents=True)
     (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")

@@ -89,3 +89,13 @@ def test_a_result_is_the_median_over_its_runs_with_their_spread(tmp_path):
     assert r["median"]["rows.b4.chain.speedup"] == 2.3 and r["median"]["same_updates"] == 1.0
     assert not any("curve" in k for k in r["median"]) and [x["seed"] for x in r["runs"]] == [0, 1, 2]
     assert flatten({"a": float("nan"), "b": [{"step": 3, "x": 1}]}) == {"b.3.step": 3.0, "b.3.x": 1.0}
+
+
+def test_an_unfinished_bench_rl_report_is_read_and_a_folder_without_either_refused(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    with pytest.raises(ValueError, match="holds no summary.json .* nor summary-unfinished.json"):
+        collect("x", "cmd", [run])
+    (run / "summary-unfinished.json").write_text(json.dumps(
+        {"seed": 0, "machine": {"date": "d", "code_version": "v"}, "unfinished": {"steps_summarized": 8}}))
+    assert collect("x", "cmd", [run])["median"]["unfinished.steps_summarized"] == 8.0

@@ -55,9 +55,11 @@ co-training as a measured multiple k of the policy update's time (both are train
 the same device), a step with rollout share f becomes f / R + (1 - f)(1 + k) of an off step.
 
 Outputs in DIR: ENGINE/ARM/ (each arm's run folder: run.json, metrics.jsonl with the per-step
-parts), summary.json, rl_step.png. A DIR holding summary.json (a finished run) is refused; one
-that a crashed or interrupted run left (arm folders, no summary.json) is reused, its arm folders
-deleted first.
+parts), machine.json (written at the start), summary.json, rl_step.png. A DIR holding
+summary.json (a finished run) is refused; one that a crashed or interrupted run left (arm
+folders, no summary.json) is reused, its arm folders deleted first, unless `report_unfinished`
+is asked for it first: that summarizes the whole segments every arm completed into
+summary-unfinished.json and runs nothing.
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollou
          "update_s": "perf/update_s", "feature_capture_s": "perf/feature_capture_s",
          "draft_train_s": "perf/draft_train_s", "score_s": "perf/score_s",
          "policy_sync_s": "perf/policy_sync_s", "other_s": "perf/other_s"}
+MACHINE_FILE = "machine.json"  # the machine and code of a run, written at its start
 SAME = ("pg_loss", "kl_ref", "reward", "response_len")  # what coupled sampling and lossless speculation keep identical across arms
 
 
@@ -152,6 +155,8 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
     if vllm_schedule and engine != "vllm":
         raise ValueError("--vllm-schedule needs --engine vllm")
     clear_unfinished(out, engine, arms, log)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MACHINE_FILE).write_text(json.dumps(machine_info(), indent=1))  # an unfinished run's report reads it
     if vllm_schedule and any(arm_setup(a, base)[1].cotrain.adaptive for a in arms if a.split("-")[0] != "off"):
         # vLLM takes no per-step controller: its adaptive arms speculate by a batch-size schedule
         calibration = vllm_schedule(task_name, preset_name, out, seed, cache_dir, log)
@@ -167,7 +172,6 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
         if calibration is not None and mode != "off" and preset.cotrain.adaptive:
             run.engine.set_spec_schedule(calibration["schedule"])
     rows: dict[str, list[dict]] = {a: [] for a in arms}
-    segments = []
     bar = tqdm(total=n_steps * len(arms), desc="bench rl steps", unit="step",
                disable=None if progress is None else not progress)
     try:
@@ -177,7 +181,6 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
                 for step in range(start, stop):
                     rows[a].append(rl_step(runs[a], step))
                     bar.update(1)
-            segments.append((start, stop))
             with tqdm.external_write_mode():  # the line above the bar, not through it
                 log(f"[bench rl] steps {start}-{stop - 1}: " + ", ".join(
                     f"{a} {statistics.median(r['step_s'] for r in rows[a][start:stop]):.2f}s" for a in arms))
@@ -185,21 +188,69 @@ def bench_rl(task_name: str, preset_name: str, out_dir, *, engine: str = "embedd
         bar.close()
         for run in runs.values():
             run.engine.shutdown()
-    summary = summarize(rows, segments, warmup, base.max_new_tokens)
-    summary = {"model": base.model, "preset": preset_name, "task": task_name, "seed": seed, "steps": n_steps,
-               "prompt_pool": base.prompt_pool,
-               "segment": segment, "warmup_steps": warmup, "arms_order": list(arms),
-               "device": str(runs[arms[0]].device), "engines": {engine: summary}, "machine": machine_info()}
+    summary = bench_summary(rows, segment, warmup, base, preset_name, task_name, seed, engine,
+                            str(runs[arms[0]].device))
     if calibration is not None:
         summary["engines"][engine]["vllm_schedule"] = calibration
-    out.mkdir(parents=True, exist_ok=True)
+    return save_summary(summary, out, "summary.json", "rl_step.png", log)
+
+
+def bench_summary(rows: dict[str, list[dict]], segment: int, warmup: int, base, preset_name: str, task_name: str,
+                  seed: int, engine: str, device: str | None) -> dict:
+    """summary.json of one engine's arms (`rows`: each arm's step rows from step 0, in arm order;
+    every arm the same steps, taken in turns of `segment` steps)."""
+    n_steps = len(next(iter(rows.values())))
+    segments = [(s, min(s + segment, n_steps)) for s in range(0, n_steps, segment)]
+    return {"model": base.model, "preset": preset_name, "task": task_name, "seed": seed,
+            "steps": n_steps, "prompt_pool": base.prompt_pool, "segment": segment, "warmup_steps": warmup,
+            "arms_order": list(rows), "device": device,
+            "engines": {engine: summarize(rows, segments, warmup, base.max_new_tokens)}, "machine": machine_info()}
+
+
+def save_summary(summary: dict, out: Path, name: str, plot: str, log=print) -> dict:
     from experiments.plots import plot_rl_bench
 
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot_rl_bench(summary, out / "rl_step.png")
+    (out / name).write_text(json.dumps(summary, indent=1))
+    plot_rl_bench(summary, out / plot)
     for line in report(summary):
         log(line)
     return summary
+
+
+def report_unfinished(task_name: str, preset_name: str, out_dir, *, engine: str = "embedded", arms=DEFAULT_ARMS,
+                      segment: int = 5, warmup: int = 1, prompt_pool: int | None = None, log=print) -> dict:
+    """The report of a bench rl run that stopped before its end (killed, interrupted, out of
+    time): the segments every arm completed, summarized as a finished run is, into
+    summary-unfinished.json and rl_step-unfinished.png beside the arm folders; nothing is run and
+    nothing already there is changed. `arms`, `segment` and the preset must be the run's own.
+    The figures are those of a shorter run: `unfinished` records the steps each arm ran and those
+    summarized."""
+    out = Path(out_dir)
+    folder = out / engine
+    if (out / "summary.json").exists():
+        raise RunDirError(f"{out} holds a finished bench rl run (summary.json): its report is there")
+    if (out / "summary-unfinished.json").exists():
+        raise RunDirError(f"{out / 'summary-unfinished.json'} exists; it is not replaced")
+    missing = [a for a in arms if not (folder / a / "metrics.jsonl").is_file()]
+    if missing:
+        raise RunDirError(f"{folder} holds no bench rl rows of arm(s) {', '.join(missing)} (metrics.jsonl)")
+    base = get_preset(preset_name).with_overrides(prompt_pool=prompt_pool)
+    rows = {a: [json.loads(line) for line in (folder / a / "metrics.jsonl").read_text().splitlines() if line]
+            for a in arms}
+    done = min(len(rs) for rs in rows.values())
+    n = done - done % segment  # whole segments of every arm
+    if n <= warmup:
+        raise RunDirError(f"{folder}: every arm completed {done} step(s); a report needs a whole segment of "
+                          f"{segment} steps past the {warmup} warm-up step(s)")
+    seed = json.loads((folder / arms[0] / RUN_FILE).read_text())["seed"]
+    summary = bench_summary({a: rs[:n] for a, rs in rows.items()}, segment, warmup, base, preset_name, task_name,
+                            seed, engine, device=None)
+    summary["unfinished"] = {"steps_run": {a: len(rs) for a, rs in rows.items()}, "steps_summarized": n}
+    machine = out / MACHINE_FILE
+    summary["machine"] = (json.loads(machine.read_text()) if machine.is_file()
+                          else {"note": f"the run wrote no {MACHINE_FILE}: its machine and code are not recorded"})
+    log(f"[bench rl] unfinished run: every arm completed {done} step(s); summarizing steps 0-{n - 1}")
+    return save_summary(summary, out, "summary-unfinished.json", "rl_step-unfinished.png", log)
 
 
 def clear_unfinished(out: Path, engine: str, arms, log=print) -> None:
