@@ -212,9 +212,13 @@ class SchedulerConfig:
     """Upper clamp of the per-step time budget (seconds); None: none."""
     tail_threshold: float = 0.25
     """"tail" window: opens once n_active / n_slots is at most this."""
-    memory_budget_bytes: int | None = 2**28
+    memory_budget_bytes: int | None = None
     """Bound on the draft side's resident bytes (weights, gradients, optimizer, buffer, one
-    update's activations); None: no limit."""
+    update's activations); None: `memory_budget_share` of the device's memory."""
+    memory_budget_share: float | None = 0.1
+    """Where memory_budget_bytes is None, the bound as a share of the memory of the device the
+    draft trains on (CUDA: the device's total memory; CPU: the machine's physical memory). None
+    (with memory_budget_bytes None): no limit."""
     windows: tuple[Window, ...] = ("tail", "between")
     """The enabled windows, a subset of WINDOWS."""
     ema: float = 0.3
@@ -249,6 +253,8 @@ class SchedulerConfig:
             (0.0 < self.tail_threshold <= 1.0, f"tail_threshold must be in (0, 1], got {self.tail_threshold}"),
             (self.memory_budget_bytes is None or self.memory_budget_bytes > 0,
              f"memory_budget_bytes must be None or positive, got {self.memory_budget_bytes}"),
+            (self.memory_budget_share is None or 0.0 < self.memory_budget_share <= 1.0,
+             f"memory_budget_share must be None or in (0, 1], got {self.memory_budget_share}"),
             (not bad, f"windows must be among {WINDOWS}, got {bad}"),
             (0.0 < self.ema <= 1.0, f"ema must be in (0, 1], got {self.ema}"),
             (isinstance(self.overlap_threads, int) and self.overlap_threads > 0,

@@ -105,7 +105,10 @@ class SpecCoTrainer:
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
         if self.draft_trainer is not None and cfg.heldout_every:
             self._serving = copy.deepcopy(draft)
-        self.scheduler = DraftScheduler(cfg.scheduler, on_error=self._on_draft_error)
+        # the memory bound is a share of the memory of the device the draft trains on
+        self.scheduler = DraftScheduler(cfg.scheduler, on_error=self._on_draft_error,
+                                        device=next(draft.parameters()).device if draft is not None else "cpu")
+        self._memory_warned = False  # the first update skipped for memory warns, once per run
         # updates per RL step (fixed or acceptance-driven) and the collapse alarm (every speculating mode)
         self.budget = DraftBudget(cfg.scheduler.draft_steps)
         self.generator = torch.Generator().manual_seed(cfg.seed)
@@ -506,6 +509,14 @@ class SpecCoTrainer:
                      "mem/draft_total_bytes": int(fixed + per_record * (fit or batch))}
         if fit == 0:
             self._mem_skipped += 1
+            if not self._memory_warned:  # a draft that never trains again must not be silent
+                self._memory_warned = True
+                mib = lambda b: f"{b / 2**20:.0f} MiB"  # noqa: E731
+                warnings.warn(f"draft update skipped: its resident bytes ({mib(fixed)}) and one record's "
+                              f"activations ({mib(per_record)}) exceed the draft's memory budget "
+                              f"({mib(self.scheduler.memory_limit_bytes)}); raise SchedulerConfig.memory_budget_share "
+                              f"or memory_budget_bytes (sched/memory_skipped counts the skipped updates)",
+                              RuntimeWarning)
         elif fit < batch:
             self._mem_shrunk += 1
         return fit

@@ -38,10 +38,13 @@ the RL loop runs with that many intra-op threads while the burst is in flight. C
 the device is not visible to this accounting; measure it by timing steps with and without
 training (`specrl bench overlap`).
 
-Memory: `memory_budget_bytes` bounds the draft side's resident bytes, measured on the live
-tensors: the draft's parameters and gradients, the optimizer state, the feature buffer, and the
-activations of one update (measured per record by the online trainer). `fit_batch` shrinks an
-update's batch until it fits, or returns 0 and the update is skipped; both are reported.
+Memory: the draft side's resident bytes, measured on the live tensors (the draft's parameters
+and gradients, the optimizer state, the feature buffer, and the activations of one update,
+measured per record by the online trainer), stay under `memory_budget_bytes`, or by default under
+`memory_budget_share` of the draft's device's memory (`memory_limit`). A fixed byte count does
+not travel: 256 MiB held a toy draft's update, while one record of a 135M-parameter model's
+draft (a 49k-token vocabulary) needs about 240 MB of activations. `fit_batch` shrinks an update's
+batch until it fits, or returns 0 and the update is skipped; both are reported.
 
 Errors: with `on_error` set, an exception in a unit of work is counted, its time accounted, and
 passed to on_error (which typically turns speculation off until the draft recovers); the RL
@@ -49,8 +52,11 @@ step goes on. Without it the exception propagates.
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
+
+import torch
 
 from specrl.config import WINDOWS, SchedulerConfig
 
@@ -58,9 +64,10 @@ class DraftScheduler:
     """Grants draft-training time in idle windows; one begin_step() / end_step() per RL step."""
 
     def __init__(self, config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter,
-                 on_error: Callable[[BaseException], None] | None = None):
+                 on_error: Callable[[BaseException], None] | None = None, device: torch.device | str = "cpu"):
         self.config = config or SchedulerConfig()
         self.clock, self.on_error = clock, on_error
+        self.memory_limit_bytes = memory_limit(self.config, device)  # None: no limit
         self.step_ema_s: float | None = None  # EMA of RL step wall time without draft work
         self.steps = self.errors = 0
         self.last_error: BaseException | None = None
@@ -153,14 +160,14 @@ class DraftScheduler:
     # -- memory ------------------------------------------------------------------------------
     def memory_ok(self, bytes_in_use: int) -> bool:
         """Whether `bytes_in_use` of draft-side memory fits the budget."""
-        limit = self.config.memory_budget_bytes
+        limit = self.memory_limit_bytes
         return limit is None or bytes_in_use <= limit
 
     def fit_batch(self, fixed_bytes: int, per_record_bytes: float, batch_size: int) -> int:
         """The largest batch <= batch_size whose update fits the memory budget, 0 if none does:
         fixed_bytes (parameters, gradients, optimizer state, buffer) plus per_record_bytes of
         activations per record."""
-        limit = self.config.memory_budget_bytes
+        limit = self.memory_limit_bytes
         if limit is None or fixed_bytes + per_record_bytes * batch_size <= limit:
             return batch_size
         if fixed_bytes >= limit or per_record_bytes <= 0:
@@ -183,3 +190,28 @@ class DraftScheduler:
         c = self.config
         budget = max(c.min_budget_s, budget)
         return budget if c.max_budget_s is None else min(c.max_budget_s, budget)
+
+
+def device_memory_bytes(device: torch.device | str) -> int | None:
+    """The memory of `device`: a CUDA device's total memory, or the machine's physical memory for
+    the CPU; None where it cannot be read."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cpu":
+        try:
+            return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        except (ValueError, OSError, AttributeError):  # not a POSIX system
+            return None
+    return None
+
+
+def memory_limit(config: SchedulerConfig, device: torch.device | str = "cpu") -> int | None:
+    """The draft side's memory bound in bytes: `memory_budget_bytes`, else `memory_budget_share` of
+    `device`'s memory; None: no limit (neither is set, or the device's memory is unknown)."""
+    if config.memory_budget_bytes is not None:
+        return int(config.memory_budget_bytes)
+    if config.memory_budget_share is None:
+        return None
+    total = device_memory_bytes(device)
+    return None if total is None else int(config.memory_budget_share * total)

@@ -5,6 +5,7 @@ import pytest
 
 from specrl.config import WINDOWS, SchedulerConfig
 from specrl.scheduler import DraftScheduler
+from specrl.scheduler import device_memory_bytes as sched_device_memory
 
 
 class FakeClock:
@@ -40,7 +41,7 @@ def warmed(cfg, clock, rl_s=10.0):
 def test_config_validation():
     for bad in (dict(budget_fraction=-0.1), dict(budget_fraction=1.5), dict(min_budget_s=-1),
                 dict(min_budget_s=2.0, max_budget_s=1.0), dict(tail_threshold=0.0), dict(tail_threshold=1.2),
-                dict(memory_budget_bytes=0), dict(windows=("tail", "lunch")), dict(windows="tail"), dict(ema=0)):
+                dict(memory_budget_bytes=0), dict(memory_budget_share=0.0), dict(memory_budget_share=1.5), dict(windows=("tail", "lunch")), dict(windows="tail"), dict(ema=0)):
         with pytest.raises(ValueError, match="SchedulerConfig"):
             SchedulerConfig(**bad)
     assert SchedulerConfig(windows=["between"]).windows == ("between",)
@@ -169,7 +170,27 @@ def test_errors_are_accounted_and_handed_over():
 def test_memory_budget():
     s = DraftScheduler(SchedulerConfig(memory_budget_bytes=1000))
     assert s.memory_ok(0) and s.memory_ok(1000) and not s.memory_ok(1001)
-    assert DraftScheduler(SchedulerConfig(memory_budget_bytes=None)).memory_ok(2**40)
+    assert DraftScheduler(SchedulerConfig(memory_budget_bytes=None, memory_budget_share=None)).memory_ok(2**40)
+
+
+def test_the_default_memory_budget_is_a_share_of_the_device(monkeypatch):
+    """The default bound scales with the device: a fixed byte count sized for a toy draft starved
+    a real model's draft of every update after its first (240 MB of activations per record)."""
+    import specrl.scheduler as sched
+
+    monkeypatch.setattr(sched, "device_memory_bytes", lambda device: 24 * 2**30)
+    s = DraftScheduler(SchedulerConfig())
+    assert s.memory_limit_bytes == int(0.1 * 24 * 2**30)
+    assert s.fit_batch(160e6, 240e6, 8) == 8  # the 135M-parameter draft's update fits at 10% of 24 GiB
+    assert DraftScheduler(SchedulerConfig(memory_budget_share=0.5)).memory_limit_bytes == 12 * 2**30
+    assert DraftScheduler(SchedulerConfig(memory_budget_bytes=1000)).memory_limit_bytes == 1000  # bytes win
+    monkeypatch.setattr(sched, "device_memory_bytes", lambda device: None)
+    assert DraftScheduler(SchedulerConfig()).memory_limit_bytes is None  # unknown memory: no limit
+
+
+def test_device_memory_is_read_from_the_machine():
+    total = sched_device_memory("cpu")
+    assert total is not None and total > 2**28  # any machine that runs the tests has more than 256 MiB
 
 
 def test_report_keys():
@@ -188,4 +209,5 @@ def test_fit_batch_shrinks_then_skips():
     assert s.fit_batch(990, 50.0, 16) == 0  # not even one record
     assert s.fit_batch(1000, 0.0, 16) == 16  # exactly at the limit with nothing per record
     assert s.fit_batch(1200, 0.0, 16) == 0  # the resident part alone is over
-    assert DraftScheduler(SchedulerConfig(memory_budget_bytes=None)).fit_batch(2**40, 2**30, 16) == 16
+    assert DraftScheduler(SchedulerConfig(memory_budget_bytes=None, memory_budget_share=None)).fit_batch(
+        2**40, 2**30, 16) == 16

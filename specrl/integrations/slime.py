@@ -81,7 +81,7 @@ class SlimeSpecConfig:
     max_draft_steps: int = 32  # per rollout
     time_budget_s: float = 30.0  # per rollout
     min_buffer_records: int = 16
-    memory_budget_bytes: int | None = None  # draft-side bytes (SchedulerConfig); None: no limit
+    memory_budget_bytes: int | None = None  # draft-side bytes (SchedulerConfig); None: its share of the device
     seed: int = 0
     # Draft pushes: SGLangEngineConfig fields (see rollout/sglang_engine.py).
     legacy_draft_flag: str | None = None  # older servers only; 0.5.23 routes pushes with selector="draft"
