@@ -98,7 +98,9 @@ class SpecCoTrainer:
         self._serving = None  # online: a copy of the serving draft (the gate's yardstick)
         self._serving_value = (None, None)  # (held-out rows seen, the serving draft's value on them)
         self._candidate = None  # the gated candidate's held-out value, until it serves
-        self._updates_since_push = 0
+        # updates since the last gate, at the full learning rate (a warm-up update counts by its share):
+        # the gain per update the budget extrapolates is that of a full-rate update
+        self._updates_since_push = 0.0
         self._recheck = None  # "spec" or "plain": the run choice re-timed because of the draft
         self._choice_heldout = None  # the serving draft's held-out accept length when the run choice was made
         self._choice_seen = None  # RunChoice.decisions when _choice_heldout was taken
@@ -431,7 +433,7 @@ class SpecCoTrainer:
         candidate is counted, and the trainer goes on from the serving draft's weights."""
         if self._serving is None or not self.buffer.heldout:
             return True
-        updates, self._updates_since_push = self._updates_since_push, 0
+        updates, self._updates_since_push = self._updates_since_push, 0.0
         self._candidate = None
         try:
             cand = self._heldout_value(self.draft_trainer.draft)
@@ -565,7 +567,7 @@ class SpecCoTrainer:
     def _record_burst(self, result: dict) -> None:
         """Count a burst's steps and keep its last step's metrics (with the burst's mean loss)."""
         self._draft_steps_this_rl_step += result["steps"]
-        self._updates_since_push += result["steps"]
+        self._updates_since_push += result.get("full_rate_updates", result["steps"])
         self._burst_s += result.get("seconds", 0.0)
         if result.get("last"):
             self._train_metrics.append(result["last"] | {"draft_loss": result["mean_loss"]})

@@ -40,7 +40,10 @@ over any stretch of CREDIT_STEPS rollouts or more.
 Rule "value" (co-training as an investment): the co-trainer measures the serving draft's
 expected accept length E on held-out sequences of the newest rollouts each step (`observe_heldout`,
 draft_models.ttt.expected_accept_length: the same whether or not speculation served them) and
-the held-out gain of every trained candidate per update g (`observe_gain`). The rollouts' figures
+the held-out gain of every trained candidate per full-rate update g (`observe_gain`: a warm-up update
+counts by its share of the learning rate, so a probe made during the warm-up is not read as a draft
+that learns slowly; the updates it then buys are valued at the full rate, optimistic only for those
+still in the warm-up). The rollouts' figures
 (`observe_rollout`) give the plain rate r (seconds per token: a plain rollout's, or a speculating
 one's seconds plus the engine's estimated saving) and the speculating cost c (seconds per token
 times the rollout's accept length: a verify step's seconds, as verify steps are tokens / E). A
@@ -159,9 +162,11 @@ class DraftBudget:
         if stop is not None and self.heldout < stop * (1.0 - self.config.tolerance):
             self.heldout_stop, self.gain = None, None  # the policy moved: probe again
 
-    def observe_gain(self, gain: float, updates: int) -> None:
-        """A trained candidate's held-out accept length over the serving draft's, after `updates`
-        updates (negative for a candidate the gate refused)."""
+    def observe_gain(self, gain: float, updates: float) -> None:
+        """A trained candidate's held-out accept length over the serving draft's (negative for a
+        candidate the gate refused), after `updates` updates counted at the full learning rate (a
+        warm-up update at a tenth of it counts 0.1): g is the gain of a full-rate update, which is
+        what the updates bought from then on are."""
         if updates <= 0 or not math.isfinite(gain):
             return
         per = gain / updates

@@ -167,11 +167,11 @@ class OnlineDraftTrainer:
         was_training = self.draft.training
         self.draft.train()
         act = _SavedBytes(self._params, batch.values())
+        lr = warmup_lr(cfg.lr, cfg.warmup_steps, self.counters["updates"])
         try:
             with torch.enable_grad(), act:
-                update = draft_update_step(self.backend, batch, lr=warmup_lr(cfg.lr, cfg.warmup_steps,
-                                                                              self.counters["updates"]),
-                                           ttt_steps=cfg.ttt_steps, acceptance_weight=cfg.acceptance_weight)
+                update = draft_update_step(self.backend, batch, lr=lr, ttt_steps=cfg.ttt_steps,
+                                           acceptance_weight=cfg.acceptance_weight)
                 metrics, gnorm, ok = update.metrics, update.grad_norm, update.applied
                 rolled_back = False
                 if ok:
@@ -193,7 +193,7 @@ class OnlineDraftTrainer:
         act_bytes = act.nbytes  # the step's activations: the collated batch and what autograd saved
         self.activation_bytes_per_record = max(act_bytes / len(records), self.activation_bytes_per_record or 0.0)
         metrics = step_metrics(metrics, records, grad_norm=gnorm, soft=soft, ok=ok, version=self.version, t0=t0)
-        metrics.update(rolled_back=rolled_back, activation_bytes=act_bytes)
+        metrics.update(rolled_back=rolled_back, activation_bytes=act_bytes, lr_scale=lr / cfg.lr if cfg.lr else 1.0)
         return metrics
 
     # ------------------------------------------------------------------ budgeted bursts
@@ -203,12 +203,14 @@ class OnlineDraftTrainer:
         step time (an average kept across calls) says it would overrun the budget: the RL step
         must not wait on the draft. Only the very first step, with nothing measured yet, runs on
         any positive budget. An empty buffer ends the burst.
-        Returns steps, updates, skipped_nonfinite, seconds, mean_loss (over finite losses),
-        version, and `last` (the last step's metrics)."""
+        Returns steps, updates, full_rate_updates (the applied updates, each counted by its learning
+        rate over the configured one: a warm-up update counts by its share), skipped_nonfinite,
+        seconds, mean_loss (over finite losses), version, and `last` (the last step's metrics)."""
         if max_steps < 0 or not time_budget_s == time_budget_s:
             raise ValueError(f"train_for needs max_steps >= 0 and a time budget, got {max_steps}, {time_budget_s}")
         t0 = time.perf_counter()
         steps = updates = skipped = 0
+        full_rate = 0.0
         losses: list[float] = []
         last: dict = {}
         while steps < max_steps and time_budget_s > 0:
@@ -226,8 +228,9 @@ class OnlineDraftTrainer:
                 skipped += 1
             else:
                 updates += 1
+                full_rate += last["lr_scale"]
                 losses.append(last["draft_loss"])
-        return {"steps": steps, "updates": updates, "skipped_nonfinite": skipped,
+        return {"steps": steps, "updates": updates, "full_rate_updates": full_rate, "skipped_nonfinite": skipped,
                 "seconds": time.perf_counter() - t0,
                 "mean_loss": sum(losses) / len(losses) if losses else float("nan"),
                 "version": self.version, "last": last}

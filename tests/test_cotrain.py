@@ -433,6 +433,26 @@ def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_servi
     assert "train/draft_refused" not in m and engine.pushed == [cot.draft_trainer.version]
 
 
+def test_a_warmup_probe_is_read_as_the_gain_of_full_rate_updates(tiny_model, monkeypatch):
+    """A probe of 2 updates in a 10-update warm-up runs at a tenth and a fifth of the learning rate:
+    the held-out gain it shows is that of 0.3 full-rate updates, and the budget extrapolates the
+    updates it buys (at the full rate) from that. Read per update, the probe would value a draft
+    that learns 3.3 times slower than it does (on the real model this kept every update unbought)."""
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="value", base_steps=2))
+
+    def probe(*a, **k):  # what OnlineDraftTrainer.train_for reports for updates 1 and 2 of a 10-update warm-up
+        cot.draft_trainer.version += 2
+        return {"steps": 2, "updates": 2, "full_rate_updates": 0.1 + 0.2, "seconds": 0.01}
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", probe)
+    monkeypatch.setattr(cot, "_heldout_value", lambda draft: 1.5 + (0.03 if draft is cot.draft_trainer.draft else 0.0))
+    cot.begin_step()
+    cot.end_step()
+    assert engine.pushed and cot.budget.gain == pytest.approx(0.03 / 0.3)
+
+
 def test_a_stale_draft_trains_while_plain_decoding_is_chosen_and_speculation_comes_back_once_it_pays(
         tiny_model, monkeypatch):
     """Speculation was switched off for the run (the draft went stale: plain is faster). The

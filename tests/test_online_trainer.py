@@ -1,3 +1,4 @@
+import copy
 import math
 
 import pytest
@@ -88,6 +89,18 @@ def test_lr_warmup_is_linear_then_flat(setup):
         trainer.train_step(buf, torch.Generator().manual_seed(i))
         lrs.append(trainer.optimizer.param_groups[0]["lr"])
     assert lrs == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+
+
+def test_train_for_counts_warmup_updates_by_their_share_of_the_rate(setup):
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    warm = OnlineDraftTrainer(copy.deepcopy(draft), OnlineDraftConfig(lr=1e-3, batch_size=4, warmup_steps=4))
+    r = warm.train_for(buf, 2, 3600.0, torch.Generator().manual_seed(0))
+    assert r["updates"] == 2 and r["full_rate_updates"] == pytest.approx(0.25 + 0.5)
+    r = warm.train_for(buf, 3, 3600.0, torch.Generator().manual_seed(1))
+    assert r["full_rate_updates"] == pytest.approx(0.75 + 1.0 + 1.0)
+    flat = OnlineDraftTrainer(copy.deepcopy(draft), OnlineDraftConfig(lr=1e-3, batch_size=4))
+    assert flat.train_for(buf, 2, 3600.0, torch.Generator().manual_seed(0))["full_rate_updates"] == pytest.approx(2.0)
 
 
 def test_soft_targets_step(setup):
