@@ -108,8 +108,9 @@ class SpecCoTrainer:
         if self.draft_trainer is not None and cfg.heldout_every:
             self._serving = copy.deepcopy(draft)
         # the memory bound is a share of the memory of the device the draft trains on
+        first = next(draft.parameters(), None) if isinstance(draft, torch.nn.Module) else None
         self.scheduler = DraftScheduler(cfg.scheduler, on_error=self._on_draft_error,
-                                        device=next(draft.parameters()).device if draft is not None else "cpu")
+                                        device=first.device if first is not None else "cpu")
         self._memory_warned = False  # the first update skipped for memory warns, once per run
         # updates per RL step (fixed or acceptance-driven) and the collapse alarm (every speculating mode)
         self.budget = DraftBudget(cfg.scheduler.draft_steps)
