@@ -31,25 +31,44 @@ def shift_left(input_ids: torch.Tensor, k: int, pad: int = 0) -> torch.Tensor:
     return out
 
 
-def ttt_unroll(draft, features: torch.Tensor, input_ids: torch.Tensor, steps: int | None = None):
-    """Run `steps` TTT steps -> list of (prenorm (B, T, H), logits (B, T, Vd)), one per step."""
+def first_needed_row(loss_mask: torch.Tensor, steps: int) -> int:
+    """The first row t whose output at some TTT step of `steps` can matter: step k at row t
+    predicts x_{t+2+k} and feeds step k+1 at row t, so row t matters iff some loss_mask[:, t+2+j]
+    (j < steps) is set. Rows before the batch's first answer token minus (1 + steps) feed only
+    step 0's keys and values (a prompt): their attention, MLP and head need not run. 0 when
+    nothing is masked (nothing to skip: the caller then counts no loss anyway)."""
+    marked = loss_mask.to(torch.bool).any(0).nonzero()
+    return max(0, int(marked[0]) - 1 - steps) if marked.numel() else 0
+
+
+def ttt_unroll(draft, features: torch.Tensor, input_ids: torch.Tensor, steps: int | None = None, start: int = 0):
+    """Run `steps` TTT steps -> list of (prenorm (B, T - start, H), logits (B, T - start, Vd)), one
+    per step, at rows start..T-1. Step 0's keys and values cover every row (the later rows attend
+    to them); `start` (first_needed_row) only skips outputs no loss reads, so the rows computed
+    are the same as with start 0, up to float rounding."""
     steps = steps or draft.cfg.ttt_steps
     B, T = input_ids.shape
+    if not 0 <= start < T:
+        raise ValueError(f"start must be in [0, {T}), got {start}")
     device = input_ids.device
     rows = torch.arange(T, device=device)
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    diag = torch.eye(T, dtype=torch.bool, device=device)
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[start:]  # (T - start, T)
+    diag = torch.eye(T - start, dtype=torch.bool, device=device)
     hidden = features.detach()
     keys, values, outs = [], [], []
     for k in range(steps):
-        h, q, kk, vv = draft.prepare(shift_left(input_ids, 1 + k), hidden, (rows + k).expand(B, T),
-                                     project=(k == 0))
+        ids_k, pos_k = shift_left(input_ids, 1 + k), (rows + k).expand(B, T)
+        if k:  # rows start.. only: the step-0 keys of the earlier rows are all they give
+            ids_k, pos_k = ids_k[:, start:], pos_k[:, start:]
+        h, q, kk, vv = draft.prepare(ids_k, hidden, pos_k, project=(k == 0))
         keys.append(kk)
         values.append(vv)
-        if k == 0:
+        if k == 0 and start == 0:
             prenorm, logits = draft.finish(h, q, kk, vv, None)  # plain causal
+        elif k == 0:
+            prenorm, logits = draft.finish(h[:, start:], q[:, start:], kk, vv, causal[None, None])
         else:
-            mask = torch.cat([causal] + [diag] * k, dim=1)[None, None]  # (1, 1, T, (k+1) T)
+            mask = torch.cat([causal] + [diag] * k, dim=1)[None, None]  # (1, 1, T - start, T + k (T - start))
             prenorm, logits = draft.finish(h, q, torch.cat(keys, 1), torch.cat(values, 1), mask)
         outs.append((prenorm, logits))
         hidden = prenorm
@@ -104,17 +123,18 @@ def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp
         tgt_arg = shift_left(input_ids, 1)  # position j -> token j+1
         label_d = target_to_draft_ids(tgt_arg, t2d)
 
-    outs = ttt_unroll(draft, features, input_ids, steps)
+    s = first_needed_row(weights > 0, steps)  # rows before s carry no loss at any step
+    outs = ttt_unroll(draft, features, input_ids, steps, start=s)
     total = features.new_zeros((), dtype=torch.float32)
     stats = []
     for k, (_, logits) in enumerate(outs):
-        n = T - 2 - k  # rows t = 0..n-1 have a token x_{t+2+k} to predict
-        if n <= 0:
+        n = T - 2 - k  # rows t = 0..n-1 have a token x_{t+2+k} to predict; s..n-1 were computed
+        if n <= s:
             stats.append(torch.zeros(4, device=input_ids.device))
             continue
-        logq = torch.log_softmax(logits[:, :n].float(), dim=-1)  # (B, n, Vd)
-        j = slice(1 + k, 1 + k + n)  # target positions t+1+k
-        m = weights[:, 2 + k: 2 + k + n]
+        logq = torch.log_softmax(logits[:, :n - s].float(), dim=-1)  # (B, n - s, Vd)
+        j = slice(1 + k + s, 1 + k + n)  # target positions t+1+k
+        m = weights[:, 2 + k + s: 2 + k + n]
         if target_logp is not None:
             ce = -(p_soft[:, j] * logq).sum(-1)
             m_ce = m
@@ -147,10 +167,12 @@ def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp
 
 
 @torch.no_grad()
-def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
-                           loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> tuple[float, list[float]]:
+def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
+                         loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> list[list[float]]:
     """The draft's expected accept length per verify step with chains of `gamma`, on sequences the
-    policy wrote -> (E, per-depth acceptance).
+    policy wrote, as per-sequence sums -> B lists [sum_t E_t, sum_t a_{t,0}, ..., sum_t a_{t,gamma-1},
+    rows]: mean_accept_length turns any set of them into (E, per-depth acceptance), so a
+    sequence measured once for a draft need not be measured again for it.
 
     Terms. A verify step starts after row t (the prefix x_0..x_{t+1}); the draft proposes
     x_{t+2}..x_{t+1+gamma} by chaining its own steps (the TTT unroll, row t of step k). Step k is
@@ -172,30 +194,49 @@ def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tenso
     (FeatureBuffer's soft targets), loss_mask (B, T)."""
     B, T = input_ids.shape
     if target_logp is None or target_logp.shape[-1] != draft.cfg.draft_vocab_size:
-        raise ValueError("expected_accept_length needs the target's log-probs at the draft vocabulary")
-    outs = ttt_unroll(draft, features, input_ids, gamma)
+        raise ValueError("expected_accept_sums needs the target's log-probs at the draft vocabulary")
     mask = loss_mask.to(torch.bool)
+    s = first_needed_row(mask, 1)  # rows before s start no verify step inside an answer
+    outs = ttt_unroll(draft, features, input_ids, gamma, start=s)
     p = target_logp.float().exp()
     running = torch.ones(B, T, device=input_ids.device)  # prod_{j<=k} a_{t,j} so far
     expected = torch.ones(B, T, device=input_ids.device)
     depth = []
     for k, (_, logits) in enumerate(outs):
-        n = max(0, T - 2 - k)  # rows with a token x_{t+2+k}
+        n = max(0, T - 2 - k)  # rows with a token x_{t+2+k}; s..n-1 were computed
         a = torch.zeros(B, T, device=input_ids.device)
-        if n:
-            q = torch.softmax(logits[:, :n].float(), dim=-1)
-            pk = p[:, 1 + k: 1 + k + n]
+        if n > s:
+            q = torch.softmax(logits[:, :n - s].float(), dim=-1)
+            pk = p[:, 1 + k + s: 1 + k + n]
             if greedy:
-                a[:, :n] = (q.argmax(-1) == pk.argmax(-1)).float()
+                a[:, s:n] = (q.argmax(-1) == pk.argmax(-1)).float()
             else:
-                a[:, :n] = torch.minimum(pk, q).sum(-1)
-            a[:, :n] *= mask[:, 2 + k: 2 + k + n]
+                a[:, s:n] = torch.minimum(pk, q).sum(-1)
+            a[:, s:n] *= mask[:, 2 + k + s: 2 + k + n]
         running = running * a
         expected = expected + running
         depth.append(a)
     rows = torch.zeros(B, T, dtype=torch.bool, device=input_ids.device)
     rows[:, : max(0, T - 2)] = mask[:, 2:]
-    if not bool(rows.any()):
+    w = rows.float()
+    sums = torch.stack([(expected * w).sum(1)] + [(a * w).sum(1) for a in depth] + [w.sum(1)], 1)
+    return sums.cpu().tolist()
+
+
+def mean_accept_length(sums: list[list[float]]) -> tuple[float, list[float]]:
+    """Per-sequence sums (expected_accept_sums) -> (E, per-depth acceptance) over all their rows:
+    the same figures as one measurement of all the sequences together; NaN without any row."""
+    n = sum(r[-1] for r in sums)
+    if not n:
+        gamma = len(sums[0]) - 2 if sums else 0
         return float("nan"), [float("nan")] * gamma
-    per_depth = [float(a[rows].mean()) for a in depth]
-    return float(expected[rows].mean()), per_depth
+    total = [sum(col) for col in zip(*sums)]
+    return total[0] / n, [x / n for x in total[1:-1]]
+
+
+def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
+                           loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> tuple[float, list[float]]:
+    """The draft's expected accept length per verify step with chains of `gamma` over a batch of
+    sequences -> (E, per-depth acceptance) (see expected_accept_sums for the terms)."""
+    return mean_accept_length(expected_accept_sums(draft, features, input_ids, target_logp, loss_mask, gamma,
+                                                   greedy=greedy))

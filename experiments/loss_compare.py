@@ -1,20 +1,24 @@
-"""Which loss should the online draft train with? The TTT cross-entropy against CE plus a
-TV-distance term (an LK-style hybrid), at equal data and equal updates.
+"""Which loss, and which precision, should the online draft train with? The TTT cross-entropy
+against CE plus a TV-distance term (an LK-style hybrid), and against the same cross-entropy under
+bf16 autocast, at equal data and equal updates.
 
     python -m experiments.loss_compare --preset speed --seed 0 --out runs/loss-speed-0
+    python -m experiments.loss_compare --preset real --arms ce,ce-bf16 --seed 0 --out runs/loss-real-0
 
 Terms. The cross-entropy objective ("ce") is `draft_models.ttt.ttt_loss` as the co-trainer uses
 it: soft cross-entropy against the target's distribution restricted to the draft vocabulary, per
 TTT step. The hybrid ("ce+tv") subtracts `weight` times the expected per-step acceptance
 sum_x min(p(x), q(x)) = 1 - TV(p, q) (OnlineDraftConfig.acceptance_weight): the quantity
-rejection sampling accepts, which TV- and LK-style draft losses optimise directly.
+rejection sampling accepts, which TV- and LK-style draft losses optimise directly. "ce-bf16" is
+"ce" with its forward and backward under bf16 autocast (OnlineDraftConfig.compute_dtype; weights
+and AdamW in fp32), what a CPU with AVX512-BF16 or a GPU computes about twice as fast.
 
 How. One RL run of the preset (`specrl.train_rl`, its co-training told to train nothing, the
 preset's chain at every engine step so that every arm is measured at that chain) runs
 `rl_steps` steps, so the policy moves and the trainer's forward fills the feature buffer with
 on-policy features and the held-out slice (every 8th answer, never trained on). Then two copies
 of the starting draft train `updates` updates each on those records, with one sampling seed (the
-same batches in the same order), one per objective. Each is measured on the held-out answers
+same batches in the same order), one per arm, each update timed. Each is measured on the held-out answers
 (expected accept length at the preset's chain, draft_models.ttt.expected_accept_length) and by
 decoding the preset's evaluation prompts with the run's engine at the rollout temperature
 (measured accept length; the tokens are the same in every arm, speculation being lossless).
@@ -33,7 +37,8 @@ import torch
 
 from experiments.bench.common import machine_info  # at import: it records the code this process started with
 
-OBJECTIVES = {"ce": 0.0, "ce+tv": 1.0}  # name -> acceptance_weight
+# arm -> its OnlineDraftConfig fields over the preset's
+ARMS = {"ce": {}, "ce+tv": {"acceptance_weight": 1.0}, "ce-bf16": {"compute_dtype": "bf16"}}
 
 
 def measure(run, draft, prompts, params, ids) -> dict:
@@ -54,13 +59,16 @@ def measure(run, draft, prompts, params, ids) -> dict:
 
 
 def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: int = 6, updates: int = 64,
-            cache_dir=None, log=print) -> dict:
+            arms=tuple(ARMS), cache_dir=None, log=print) -> dict:
     from specrl.online_trainer import OnlineDraftTrainer
     from specrl.presets import get_preset
     from specrl.rl_setup import encode_prompts, rollout_params
     from specrl.train_rl import rl_step, start_run
 
     out = Path(out_dir)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise ValueError(f"unknown arm(s) {unknown or arms}; choose from {', '.join(ARMS)}")
     if (out / "summary.json").exists():
         raise FileExistsError(f"{out} already holds a loss comparison (summary.json); choose another --out")
     base = get_preset(preset_name)
@@ -82,20 +90,22 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: in
               "train_records": records, "heldout_records": len(run.cotrain.buffer.heldout),
               "gamma": preset.cotrain.spec.gamma, "arms": {}}
     result["arms"]["start"] = measure(run, copy.deepcopy(start), prompts, params, ids)
-    for name, weight in OBJECTIVES.items():
+    for name in arms:
         draft = copy.deepcopy(start)
-        trainer = OnlineDraftTrainer(draft, dataclasses.replace(preset.cotrain.online, acceptance_weight=weight))
+        trainer = OnlineDraftTrainer(draft, dataclasses.replace(preset.cotrain.online, **ARMS[name]))
         gen = torch.Generator().manual_seed(seed)
-        losses = [trainer.train_step(run.cotrain.buffer, gen)["draft_loss"] for _ in range(updates)]
+        steps = [trainer.train_step(run.cotrain.buffer, gen) for _ in range(updates)]
         m = measure(run, draft, prompts, params, ids)
-        m["loss_first"], m["loss_last"] = losses[0], losses[-1]
+        m["loss_first"], m["loss_last"] = steps[0]["draft_loss"], steps[-1]["draft_loss"]
+        m["update_s_median"] = sorted(x["seconds"] for x in steps[1:] or steps)[len(steps[1:] or steps) // 2]
         result["arms"][name] = m
     answers = [m.pop("answers") for m in result["arms"].values()]
     result["same_tokens"] = all(a == answers[0] for a in answers)
     run.engine.shutdown()
     for name, m in result["arms"].items():
-        log(f"[loss] {name:<6} held-out expected accept length {m['heldout_expected_accept_length']:.3f}, "
-            f"measured {m['measured_accept_length']:.3f}")
+        log(f"[loss] {name:<7} held-out expected accept length {m['heldout_expected_accept_length']:.3f}, "
+            f"measured {m['measured_accept_length']:.3f}"
+            + (f", {m['update_s_median']:.3f} s per update" if "update_s_median" in m else ""))
     result["machine"] = machine_info()
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(result, indent=1))
@@ -109,6 +119,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rl-steps", type=int, default=6)
     ap.add_argument("--updates", type=int, default=64)
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from specrl.presets import PresetError, get_preset
@@ -117,7 +128,8 @@ def main(argv=None) -> int:
         task = a.task or get_preset(a.preset).task
         if a.rl_steps < 1 or a.updates < 1:
             raise ValueError(f"--rl-steps and --updates must be >= 1, got {a.rl_steps}, {a.updates}")
-        compare(task, a.preset, a.out, seed=a.seed, rl_steps=a.rl_steps, updates=a.updates)
+        compare(task, a.preset, a.out, seed=a.seed, rl_steps=a.rl_steps, updates=a.updates,
+                arms=tuple(x for x in a.arms.split(",") if x))
     except (PresetError, ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

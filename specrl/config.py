@@ -15,6 +15,7 @@ from typing import Literal, get_args
 from rollout.drafters import SpecConfig
 from rollout.drafters.history import HistoryConfig
 from target_training.config import require_positive
+from target_training.grpo import COMPUTE_DTYPES
 
 Mode = Literal["off", "frozen", "online"]
 FeatureSource = Literal["trainer", "engine", "both"]
@@ -87,6 +88,10 @@ class OnlineDraftConfig:
     optimum."""
     snapshot_every: int = 8
     """Updates between copies of the last finite weights (what a rollback restores)."""
+    compute_dtype: str = "fp32"
+    """The update's forward and backward: "fp32", "bf16" (autocast; the weights and AdamW stay
+    fp32) or "auto" (bf16 where the device computes it natively, as GRPOConfig.compute_dtype).
+    Held-out measurements and the engine's draft stay in the draft's own dtype."""
 
     MAX_BATCH_SIZE = 1 << 16  # records per update; more would not fit any device (checked before collate)
 
@@ -115,6 +120,8 @@ class OnlineDraftConfig:
             bad("prefer_rejected", "must lie in [0, 1]")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             bad("warmup_steps", "must be a non-negative integer")
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            bad("compute_dtype", f"must be one of {COMPUTE_DTYPES}")
 
 
 # ---------------------------------------------------------------------- updates per RL step

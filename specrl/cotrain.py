@@ -38,7 +38,7 @@ import torch
 
 from draft_models.checkpoint import check_draft_weights, copy_draft_weights
 from draft_models.train import collate
-from draft_models.ttt import expected_accept_length as ttt_expected_accept_length
+from draft_models.ttt import expected_accept_sums, mean_accept_length
 from rollout.drafters import DrafterSpec
 from rollout.protocol import DraftReceiver, FeatureSource, Rollout, RolloutStats, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
@@ -55,6 +55,11 @@ from specrl.scheduler import DraftScheduler
 # drafting one rejected token read as a collapse of acceptance (the budget's alarm fired on
 # `drift` as the controller settled on plain decoding).
 MIN_DRAFTED_TOKENS = 32
+
+# The swap gate compares two held-out values measured in different batches (the serving draft's
+# per-sequence sums are kept across steps): float rounding alone, about 1e-6 of an accept length,
+# must not refuse a candidate that equals the serving draft.
+GATE_ROUNDING = 1e-5
 
 
 class SpecCoTrainer:
@@ -97,7 +102,9 @@ class SpecCoTrainer:
         self._gate_step: dict = {}  # this step's gate figures
         self._serving = None  # online: a copy of the serving draft (the gate's yardstick)
         self._serving_value = (None, None)  # (held-out rows seen, the serving draft's value on them)
+        self._serving_sums: dict = {}  # the serving draft's per-sequence held-out sums (heldout_accept_length)
         self._candidate = None  # the gated candidate's held-out value, until it serves
+        self._candidate_sums: dict = {}  # ... and its per-sequence sums, which then are the serving draft's
         # updates since the last gate, at the full learning rate (a warm-up update counts by its share):
         # the gain per update the budget extrapolates is that of a full-rate update
         self._updates_since_push = 0.0
@@ -388,10 +395,11 @@ class SpecCoTrainer:
         return m
 
     # -- held-out measurement, swap gate, run choice --------------------------------------
-    def _heldout_value(self, draft) -> float | None:
+    def _heldout_value(self, draft, sums: dict | None = None) -> float | None:
         """`draft`'s expected accept length on the held-out sequences at the configured chain;
-        None without any, or without an answer token among them."""
-        value = heldout_accept_length(draft, self.buffer.heldout, self.config.spec.gamma)
+        None without any, or without an answer token among them. `sums`: what is known of this
+        draft per sequence (heldout_accept_length), kept up to date."""
+        value = heldout_accept_length(draft, self.buffer.heldout, self.config.spec.gamma, sums)
         return None if value is None or value[0] != value[0] else value[0]
 
     def _measure_serving(self) -> None:
@@ -421,10 +429,11 @@ class SpecCoTrainer:
     def _serving_heldout(self) -> float | None:
         """The serving draft's held-out value, measured once per set of held-out sequences (the
         trainer's forward adds some every step; the serving draft changes only through the gate,
-        which then knows its value)."""
+        which then knows its value), and on each sequence once: a step measures only the
+        sequences that are new since the last one."""
         rows, value = self._serving_value
         if rows != self.buffer.rows_seen:
-            value = self._heldout_value(self._serving if self._serving is not None else self.draft)
+            value = self._heldout_value(self._serving if self._serving is not None else self.draft, self._serving_sums)
             self._serving_value = (self.buffer.rows_seen, value)
         return value
 
@@ -435,9 +444,9 @@ class SpecCoTrainer:
         if self._serving is None or not self.buffer.heldout:
             return True
         updates, self._updates_since_push = self._updates_since_push, 0.0
-        self._candidate = None
+        self._candidate, self._candidate_sums = None, {}
         try:
-            cand = self._heldout_value(self.draft_trainer.draft)
+            cand = self._heldout_value(self.draft_trainer.draft, self._candidate_sums)
             serve = self._serving_heldout()
         except Exception as err:
             self._on_draft_error(err)
@@ -446,7 +455,7 @@ class SpecCoTrainer:
             return True
         self.budget.observe_gain(cand - serve, updates)
         self._gate_step.update({"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve})
-        if cand >= serve * (1.0 - self.config.gate_tolerance):
+        if cand >= serve * (1.0 - self.config.gate_tolerance) - GATE_ROUNDING:
             self._gate["accepted"] += 1
             self._candidate = cand  # its value, once it serves (_push_weights)
             return True
@@ -603,10 +612,11 @@ class SpecCoTrainer:
         self._engine_version = version
         if self._serving is not None:  # the gate's yardstick is now this draft, whose value the gate knows
             self._serving.load_state_dict(self.draft_trainer.draft.state_dict())
+            self._serving_sums = self._candidate_sums if self._candidate is not None else {}
             if self._candidate is not None:
                 self.heldout, self._serving_value = self._candidate, (self.buffer.rows_seen, self._candidate)
                 self.budget.observe_heldout(self._candidate)
-        self._candidate = None
+        self._candidate, self._candidate_sums = None, {}
         # the controller keeps its acceptance estimates across the swap: its EMAs follow the new draft
         # within a few steps, where forgetting them made it re-explore every arm, plain decoding
         # included, after every update (every rollout, at one update per RL step)
@@ -699,7 +709,7 @@ class SpecCoTrainer:
         self._choice_heldout, self._choice_seen = state.get("choice_heldout"), state.get("choice_seen")
         if self._serving is not None:  # the gate's yardstick: the draft the engine serves
             copy_draft_weights(self._serving, self.engine.draft_weights()[0])
-        self._serving_value = (None, None)
+        self._serving_value, self._serving_sums = (None, None), {}
 
     def _restore_engine_draft(self, state: dict) -> int:
         """Push the checkpoint's engine draft; a non-finite one is replaced by the trainer's (or the
@@ -721,22 +731,33 @@ class SpecCoTrainer:
         return 1
 
 
-def heldout_accept_length(draft, records, gamma: int) -> tuple[float, list[float]] | None:
+def heldout_accept_length(draft, records, gamma: int, sums: dict | None = None) -> tuple[float, list[float]] | None:
     """`draft`'s expected accept length with chains of `gamma` on held-out buffer records
     (FeatureBuffer.heldout, with soft targets), and its per-depth acceptance
-    (draft_models.ttt.expected_accept_length, sampled decoding); None without records. The draft
-    is measured in eval mode and left in the mode it was in."""
+    (draft_models.ttt.expected_accept_sums, sampled decoding); None without records. The draft
+    is measured in eval mode and left in the mode it was in.
+    sums: {id(record): (record, its sums)} already measured for this same draft (the caller
+    empties it when the draft's weights change): only the other records are measured, then the
+    dict holds exactly `records`' sums (each kept with its record, so no id is reused)."""
     if not records:
         return None
-    w = draft.fc.weight
-    batch = collate(records, w.device, w.dtype, soft=True)
-    was = draft.training
-    draft.eval()
-    try:
-        return ttt_expected_accept_length(draft, batch["features"], batch["input_ids"], batch["target_logp"],
-                                          batch["loss_mask"], gamma)
-    finally:
-        draft.train(was)
+    sums = {} if sums is None else sums
+    todo = [r for r in records if id(r) not in sums]
+    if todo:
+        w = draft.fc.weight
+        batch = collate(todo, w.device, w.dtype, soft=True)
+        was = draft.training
+        draft.eval()
+        try:
+            new = expected_accept_sums(draft, batch["features"], batch["input_ids"], batch["target_logp"],
+                                       batch["loss_mask"], gamma)
+        finally:
+            draft.train(was)
+        sums.update((id(r), (r, s)) for r, s in zip(todo, new))
+    keep = {id(r) for r in records}
+    for key in [k for k in sums if k not in keep]:
+        del sums[key]
+    return mean_accept_length([sums[id(r)][1] for r in records])
 
 
 def brief(metrics: dict) -> str:

@@ -35,6 +35,7 @@ import torch
 from draft_models.checkpoint import check_draft_weights, draft_state_dict_for_sglang
 from draft_models.train import TorchBackend, collate, draft_update_step, warmup_lr
 from specrl.config import OnlineDraftConfig
+from target_training.grpo import update_autocast
 
 
 class _SavedBytes(torch.autograd.graph.saved_tensors_hooks):
@@ -169,7 +170,7 @@ class OnlineDraftTrainer:
         act = _SavedBytes(self._params, batch.values())
         lr = warmup_lr(cfg.lr, cfg.warmup_steps, self.counters["updates"])
         try:
-            with torch.enable_grad(), act:
+            with torch.enable_grad(), act, update_autocast(cfg.compute_dtype, self.draft.fc.weight.device):
                 update = draft_update_step(self.backend, batch, lr=lr, ttt_steps=cfg.ttt_steps,
                                            acceptance_weight=cfg.acceptance_weight)
                 metrics, gnorm, ok = update.metrics, update.grad_norm, update.applied

@@ -394,6 +394,7 @@ def _heldout_cotrainer(tiny_model, budget, **kw):
     mask[:, 6:] = True
     trainer.hooks[0](ids, out, mask)
     assert len(cot.buffer) == 4 and len(cot.buffer.heldout) == 4
+    cot.test_capture = trainer.hooks[0]  # the trainer-forward hook: a test adds sequences through it
     return cot, engine
 
 
@@ -433,6 +434,47 @@ def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_servi
     assert "train/draft_refused" not in m and engine.pushed == [cot.draft_trainer.version]
 
 
+def test_the_serving_draft_is_measured_once_per_held_out_sequence_and_again_after_a_swap(tiny_model, monkeypatch):
+    """The serving draft's held-out value is kept per sequence: a step with new held-out sequences
+    measures those only, and the value equals a measurement of the whole slice at once. A swap
+    makes the candidate's sums the serving ones (the gate measured them); a refused candidate
+    leaves the serving sums as they were."""
+    import torch
+
+    import specrl.cotrain as cotrain_mod
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=1)
+    measured = []
+    real = cotrain_mod.expected_accept_sums
+
+    def counting(draft, features, *a, **k):
+        measured.append(features.shape[0])
+        return real(draft, features, *a, **k)
+
+    monkeypatch.setattr(cotrain_mod, "expected_accept_sums", counting)
+    assert cot._serving_heldout() > 1.0 and measured == [4]
+    ids = torch.randint(3, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(4, 16, dtype=torch.bool)
+    mask[:, 6:] = True
+    cot.test_capture(ids, tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids), mask)  # 2 of them held out
+    value = cot._serving_heldout()
+    assert measured == [4, 2] and len(cot.buffer.heldout) == 6
+    whole = cotrain_mod.heldout_accept_length(cot._serving, cot.buffer.heldout, cot.config.spec.gamma)[0]
+    assert abs(value - whole) < 1e-5 and measured[-1] == 6
+
+    def nudge(*a, **k):  # an update that leaves the draft as it was: it serves
+        cot.draft_trainer.version += 1
+        return {"steps": 1, "seconds": 0.01}
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", nudge)
+    del measured[:]
+    cot.begin_step()
+    cot.end_step()
+    assert engine.pushed and measured == [6]  # the candidate, by the gate; the serving value is known
+    assert cot._serving_heldout() == cot.heldout and measured == [6]
+
+
 def test_a_warmup_probe_is_read_as_the_gain_of_full_rate_updates(tiny_model, monkeypatch):
     """A probe of 2 updates in a 10-update warm-up runs at a tenth and a fifth of the learning rate:
     the held-out gain it shows is that of 0.3 full-rate updates, and the budget extrapolates the
@@ -447,7 +489,7 @@ def test_a_warmup_probe_is_read_as_the_gain_of_full_rate_updates(tiny_model, mon
         return {"steps": 2, "updates": 2, "full_rate_updates": 0.1 + 0.2, "seconds": 0.01}
 
     monkeypatch.setattr(cot.draft_trainer, "train_for", probe)
-    monkeypatch.setattr(cot, "_heldout_value", lambda draft: 1.5 + (0.03 if draft is cot.draft_trainer.draft else 0.0))
+    monkeypatch.setattr(cot, "_heldout_value", lambda draft, sums=None: 1.5 + (0.03 if draft is cot.draft_trainer.draft else 0.0))
     cot.begin_step()
     cot.end_step()
     assert engine.pushed and cot.budget.gain == pytest.approx(0.03 / 0.3)
@@ -472,7 +514,7 @@ def test_a_stale_draft_trains_while_plain_decoding_is_chosen_and_speculation_com
         cot.draft_trainer.version += 2
         return {"steps": 2, "seconds": 0.01}
 
-    def heldout(draft):  # +0.3 accept length per trained burst, for the trainer's draft
+    def heldout(draft, sums=None):  # +0.3 accept length per trained burst, for the trainer's draft
         return value["serving"] + (0.3 if draft is cot.draft_trainer.draft else 0.0)
 
     def push(weights, version):
@@ -602,7 +644,7 @@ def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_m
     cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=0,
                                      heldout_idle_share=1.0)
     value = {"e": 1.4}
-    monkeypatch.setattr(cot, "_heldout_value", lambda draft: value["e"])
+    monkeypatch.setattr(cot, "_heldout_value", lambda draft, sums=None: value["e"])
     choice, spec = cot.run_choice, SimpleNamespace(spec=None)
 
     def step(arm, seconds):
@@ -644,7 +686,7 @@ def test_an_idle_draft_is_measured_only_as_often_as_its_share_of_the_step_allows
     cot, _ = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=0,
                                 heldout_idle_share=share)
 
-    def heldout(draft):
+    def heldout(draft, sums=None):
         clock[0] += 0.025
         return 2.0
 

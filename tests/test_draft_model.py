@@ -247,6 +247,61 @@ def test_ttt_loss_targets_masks_and_gradient_isolation():
     assert all(p.grad is not None for p in draft.parameters())
 
 
+def test_prompt_rows_are_skipped_without_changing_the_loss_its_gradient_or_the_expected_accept_length(monkeypatch):
+    """ttt_loss and expected_accept_length compute only the rows some loss reads (from
+    first_needed_row: the batch's first answer token minus 1 + steps). On prompts of different
+    lengths, the loss, every gradient and the expected accept length equal the full computation
+    (first_needed_row planted to 0) to float rounding; a start one row later than the bound loses
+    a counted row, and the comparison sees it."""
+    import draft_models.ttt as ttt
+
+    target, draft = make_pair()
+    ids, feats, logp = target_inputs(target, 3, 24)
+    restricted = logp[..., torch.arange(VD) + draft.d2t]
+    mask = torch.zeros(3, 24, dtype=torch.bool)
+    for b, p in enumerate((9, 12, 15)):  # prompts of 9, 12, 15 tokens, then the answer
+        mask[b, p:] = True
+    steps = 3
+    assert ttt.first_needed_row(mask, steps) == 9 - 1 - steps and ttt.first_needed_row(mask[:, :0], 2) == 0
+
+    def run(start_rule):
+        monkeypatch.setattr(ttt, "first_needed_row", start_rule)
+        draft.zero_grad(set_to_none=True)
+        loss, metrics = ttt.ttt_loss(draft, feats, ids, restricted, mask, steps=steps, acceptance_weight=0.3)
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
+        return loss.item(), metrics, grads, ttt.expected_accept_length(draft, feats, ids, restricted, mask, 4)
+
+    bound = ttt.first_needed_row
+    full = run(lambda m, k: 0)
+    skipped = run(bound)
+    assert abs(full[0] - skipped[0]) < 1e-5 and full[1]["n_2"] == skipped[1]["n_2"]
+    assert all(torch.allclose(full[2][n], g, atol=1e-6, rtol=1e-4) for n, g in skipped[2].items())
+    assert abs(full[3][0] - skipped[3][0]) < 1e-5 and full[3][0] > 1.0
+    late = run(lambda m, k: bound(m, k) + 1)  # a planted off-by-one drops row 5 of step 2
+    assert late[1]["n_2"] == full[1]["n_2"] - 1 and abs(late[0] - full[0]) > 1e-4
+
+
+def test_expected_accept_sums_combine_to_the_measurement_of_all_sequences_together():
+    """Per-sequence sums (what the co-trainer keeps for the serving draft) measured in separate
+    batches give the same E and per-depth acceptance as one measurement of all the sequences."""
+    from draft_models.ttt import expected_accept_length, expected_accept_sums, mean_accept_length
+
+    target, draft = make_pair()
+    ids, feats, logp = target_inputs(target, 4, 20)
+    restricted = logp[..., torch.arange(VD) + draft.d2t]
+    mask = torch.zeros(4, 20, dtype=torch.bool)
+    for b, p in enumerate((4, 6, 8, 20)):  # the last sequence has no answer token: no verify step counts in it
+        mask[b, p:] = True
+    whole = expected_accept_length(draft, feats, ids, restricted, mask, 3)
+    parts = [s for lo, hi in ((0, 1), (1, 4)) for s in
+             expected_accept_sums(draft, feats[lo:hi], ids[lo:hi], restricted[lo:hi], mask[lo:hi], 3)]
+    assert parts[3][-1] == 0 and parts[0][-1] == 20 - 2 - 2
+    e, depth = mean_accept_length(parts)
+    assert abs(e - whole[0]) < 1e-5 and all(abs(a - b) < 1e-5 for a, b in zip(depth, whole[1]))
+    assert mean_accept_length(parts[3:])[0] != mean_accept_length(parts[3:])[0]  # no row: NaN
+
+
 def _periodic_sequences(n: int, T: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     seqs = []
@@ -301,7 +356,7 @@ def test_expected_accept_length_is_the_chained_product_of_per_step_acceptance(mo
     ids, feats = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, 6)
 
     def planted(logits):
-        monkeypatch.setattr(ttt, "ttt_unroll", lambda d, f, i, steps: [(None, logits)] * steps)
+        monkeypatch.setattr(ttt, "ttt_unroll", lambda d, f, i, steps, start=0: [(None, logits[:, start:])] * steps)
 
     planted(logp.clone())  # q = p
     e, depth = ttt.expected_accept_length(draft, feats, ids, logp, mask, gamma)

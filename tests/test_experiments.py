@@ -244,16 +244,19 @@ def test_compiled_target_measurement(sft_policy, tmp_path):
 
 
 def test_the_loss_comparison_trains_both_objectives_on_the_same_data_and_measures_them(sft_policy, tmp_path):
-    """experiments.loss_compare on the CI preset: the starting draft and one copy per objective,
-    each measured on the held-out answers and by decoding the same prompts (the same tokens in
-    every arm: speculation is lossless); an existing summary is never overwritten."""
-    from experiments.loss_compare import OBJECTIVES, compare, main
+    """experiments.loss_compare on the CI preset: the starting draft and one copy per arm (objective
+    or precision), each measured on the held-out answers and by decoding the same prompts (the same
+    tokens in every arm: speculation is lossless); an existing summary is never overwritten, an
+    unknown arm is refused."""
+    from experiments.loss_compare import ARMS, compare, main
 
     r = compare("arith", "ci", tmp_path / "l", seed=0, rl_steps=1, updates=2, cache_dir=sft_policy[3],
                 log=lambda *a: None)
-    assert set(r["arms"]) == {"start", *OBJECTIVES} and r["same_tokens"] is True
+    assert set(r["arms"]) == {"start", *ARMS} and r["same_tokens"] is True
+    assert r["arms"]["ce-bf16"]["loss_last"] != r["arms"]["ce"]["loss_last"]  # the precision arm did differ
     assert r["train_records"] > 0 and r["heldout_records"] > 0
     for m in r["arms"].values():
         assert 1.0 <= m["heldout_expected_accept_length"] <= 1 + r["gamma"]
         assert 1.0 <= m["measured_accept_length"] <= 1 + r["gamma"]
     assert main(["--preset", "ci", "--out", str(tmp_path / "l")]) == 2  # summary.json is there: refused
+    assert main(["--preset", "ci", "--arms", "ce,fp8", "--out", str(tmp_path / "m")]) == 2

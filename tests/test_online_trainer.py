@@ -60,10 +60,32 @@ def _eval_loss(draft, buffer, ttt_steps=2):
 
 @pytest.mark.parametrize("kw", [dict(lr=0), dict(batch_size=0), dict(ttt_steps=0), dict(max_grad_norm=-1),
                                 dict(prefer_rejected=1.5), dict(acceptance_weight=-0.1), dict(weight_decay=-1),
-                                dict(lr=float("nan")), dict(warmup_steps=-1), dict(warmup_steps=1.5)])
+                                dict(lr=float("nan")), dict(warmup_steps=-1), dict(warmup_steps=1.5),
+                                dict(compute_dtype="fp16")])
 def test_config_validation(kw):
     with pytest.raises(ValueError):
         OnlineDraftConfig(**kw)
+
+
+def test_bf16_updates_compute_in_bf16_and_learn_like_fp32_while_the_weights_stay_fp32(setup):
+    """compute_dtype "bf16": the update's forward runs under bf16 autocast (its loss differs from
+    fp32's by rounding only), the draft's weights and AdamW's moments stay fp32, and 40 updates
+    learn the counting task like fp32 updates on the same batches."""
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(budget_bytes=10**7), policy, seqs, draft, soft=False)
+    losses, evals = {}, {}
+    for dtype in ("fp32", "bf16"):
+        d = copy.deepcopy(draft)
+        trainer = OnlineDraftTrainer(d, OnlineDraftConfig(lr=3e-3, batch_size=8, ttt_steps=2, prefer_rejected=0.0,
+                                                          compute_dtype=dtype))
+        gen = torch.Generator().manual_seed(0)
+        losses[dtype] = [trainer.train_step(buf, gen)["draft_loss"] for _ in range(40)]
+        evals[dtype] = _eval_loss(d, buf)
+        assert all(p.dtype == torch.float32 for p in d.parameters())
+        assert all(t.dtype == torch.float32 for st in trainer.optimizer.state.values() for t in st.values()
+                   if torch.is_tensor(t) and t.is_floating_point())
+    assert losses["bf16"][0] != losses["fp32"][0] and abs(losses["bf16"][0] / losses["fp32"][0] - 1) < 0.02
+    assert evals["bf16"] < 0.5 * _eval_loss(draft, buf) and abs(evals["bf16"] / evals["fp32"] - 1) < 0.1
 
 
 def test_loss_decreases_on_fixed_buffer(setup):
