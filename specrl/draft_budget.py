@@ -45,10 +45,14 @@ counts by its share of the learning rate, so a probe made during the warm-up is 
 that learns slowly; the updates it then buys are valued at the full rate, optimistic only for those
 still in the warm-up). The rollouts' figures
 (`observe_rollout`) give the plain rate r (seconds per token: a plain rollout's, or a speculating
-one's seconds plus the engine's estimated saving) and the speculating cost c (seconds per token
-times the rollout's accept length: a verify step's seconds, as verify steps are tokens / E). A
-draft of accept length E then saves v(E) = tokens * max(0, r - c / E) seconds per rollout when
-speculation is chosen wherever it pays. n updates in each of the next m steps (m <= horizon)
+one's seconds plus the engine's estimated saving) and the speculating cost c (a speculating
+rollout's seconds per token times the serving draft's held-out E when it ran). A draft of held-out
+accept length E then saves v(E) = tokens * max(0, r - c / E) seconds per rollout when speculation
+is chosen wherever it pays: at the serving draft's own E that is the saving the rollouts measured,
+and a better draft speeds speculation up in proportion to its E. (Anchoring c on the rollout's own
+accept length instead mixed two scales: the controller shortens chains at a large batch, so the
+rollout's accept length sits below the held-out E at the full chain, and v then counted a saving
+at the serving draft's E where the run choice had measured speculation slower than plain.) n updates in each of the next m steps (m <= horizon)
 are worth sum_{j=1..horizon} (v(E + g n min(j, m)) - v(E)), the rollouts they speed up over the
 horizon, and cost n m u (u the measured seconds of one update, its gate included); a step runs
 the largest n up to the cap for which some m pays (so a stale draft whose speculation no longer
@@ -101,7 +105,7 @@ class DraftBudget:
         self.heldout_stop: float | None = None  # E when training last stopped (None: training)
         self.gain: float | None = None  # g: held-out gain per update of the recent candidates
         self.plain_rate: float | None = None  # r: plain seconds per token
-        self.spec_cost: float | None = None  # c: speculating seconds per token x accept length
+        self.spec_cost: float | None = None  # c: speculating seconds per token x the serving draft's held-out E
         self.tokens: float | None = None  # tokens per rollout
         self.window: list[list[float]] = []  # [step seconds, co-training seconds] of the last steps
         self.spent_now = 0.0  # co-training seconds the current step has spent already (capture, measurement)
@@ -139,7 +143,9 @@ class DraftBudget:
     def observe_rollout(self, tokens: int, seconds: float, speculated: bool, accept_length: float | None,
                         saved_s: float | None) -> None:
         """A rollout's figures, for rule "value": its tokens, seconds, whether it speculated, its
-        measured accept length and the engine's estimate of the seconds speculation saved."""
+        measured accept length (None: too few drafted tokens to tell) and the engine's estimate of
+        the seconds speculation saved. Call it after the held-out value of the draft that served
+        the rollout (observe_heldout), so c is anchored on that draft's E."""
         if tokens <= 0 or seconds <= 0:
             return
         a = self.config.ema
@@ -151,7 +157,8 @@ class DraftBudget:
         if saved_s is not None and math.isfinite(saved_s):
             self.plain_rate = ema(self.plain_rate, (seconds + saved_s) / tokens)
         if accept_length is not None and math.isfinite(accept_length) and accept_length >= 1.0:
-            self.spec_cost = ema(self.spec_cost, seconds * accept_length / tokens)
+            ref = self.heldout if self.heldout is not None else accept_length  # before any held-out value
+            self.spec_cost = ema(self.spec_cost, seconds * ref / tokens)
 
     def observe_heldout(self, accept_length: float | None) -> None:
         """The serving draft's held-out expected accept length this step (rule "value")."""

@@ -299,6 +299,23 @@ def test_the_value_rule_trains_a_draft_that_no_longer_pays_when_its_gain_would_b
     assert b.steps(8) == 8
 
 
+def test_the_value_of_the_serving_draft_is_the_saving_its_rollouts_measured_whatever_their_chain_length():
+    """c is anchored on the serving draft's held-out E (at the full chain), not on the rollout's
+    accept length (which the controller's shorter chains keep lower): v(E) at the serving draft's E
+    is what speculation saved, and a rollout slower than plain gives that draft no value at all."""
+    b = DraftBudget(DraftBudgetConfig(rule="value", base_steps=2))
+    b.observe_heldout(3.0)  # the serving draft: E 3.0 at the full chain
+    b.observe_rollout(1000, 5.0, False, None, None)
+    b.observe_rollout(1000, 2.5, True, 2.0, None)  # its rollout: accept length 2.0 at the chains it ran
+    assert b.value_s(3.0) == pytest.approx(5.0 - 2.5)  # anchored on 2.0, v(3.0) would read 3.33 s
+    assert b.value_s(6.0) == pytest.approx(1000 * (0.005 - 0.0025 * 3.0 / 6.0))  # twice E: twice as fast
+    slow = DraftBudget(DraftBudgetConfig(rule="value", base_steps=2))
+    slow.observe_heldout(3.0)
+    slow.observe_rollout(1000, 5.0, False, None, None)
+    slow.observe_rollout(1000, 5.5, True, 2.0, None)  # speculating measured slower than plain
+    assert slow.value_s(3.0) == 0.0 and slow.value_s(3.0 * 5.5 / 5.0 + 0.01) > 0.0
+
+
 def test_the_hard_cap_keeps_cotraining_under_its_share_of_the_step_over_the_window():
     b = _valued(max_share=0.05, share_window=10)
     b.observe_heldout(2.0)
