@@ -38,7 +38,8 @@ import torch
 from experiments.bench.common import machine_info  # at import: it records the code this process started with
 
 # arm -> its OnlineDraftConfig fields over the preset's
-ARMS = {"ce": {}, "ce+tv": {"acceptance_weight": 1.0}, "ce-bf16": {"compute_dtype": "bf16"}}
+ARMS = {"ce": {"compute_dtype": "fp32"}, "ce+tv": {"acceptance_weight": 1.0, "compute_dtype": "fp32"},
+        "ce-bf16": {"compute_dtype": "bf16"}}
 
 
 def measure(run, draft, prompts, params, ids) -> dict:

@@ -174,7 +174,7 @@ def test_drift_presets_cotrain_as_the_rl_presets_do_or_fix_every_decision(name):
         assert cot.scheduler.draft_steps.rule == "fixed" and cot.scheduler.draft_steps.max_share is None
         assert cot.scheduler.min_budget_s >= 3600 and cot.scheduler.windows == ("between",)
     else:
-        assert cot == cotrained(cot.spec)
+        assert cot == cotrained(cot.spec, cot.online.compute_dtype)
 
 
 def test_full_and_quick_presets_track_the_reference_at_every_point():
