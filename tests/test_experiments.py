@@ -260,3 +260,20 @@ def test_the_loss_comparison_trains_both_objectives_on_the_same_data_and_measure
         assert 1.0 <= m["measured_accept_length"] <= 1 + r["gamma"]
     assert main(["--preset", "ci", "--out", str(tmp_path / "l")]) == 2  # summary.json is there: refused
     assert main(["--preset", "ci", "--arms", "ce,fp8", "--out", str(tmp_path / "m")]) == 2
+
+
+def test_the_draft_precision_comparison_trains_fp32_and_bf16_on_the_same_batches(sft_policy, tmp_path):
+    """experiments.draft_precision on the CI preset: both arms start from the same draft, train on
+    the same batches (their first losses differ by bf16 rounding only) and are measured on the same
+    held-out answers; an existing summary and a held-out share that leaves nothing to train on are
+    refused with exit code 2."""
+    from experiments.draft_precision import DTYPES, compare, main
+
+    r = compare("arith", "ci", tmp_path / "p", seed=0, answers=12, heldout=4, updates=3, cache_dir=sft_policy[3],
+                log=lambda *a: None)
+    assert set(r["arms"]) == set(DTYPES) and 1.0 <= r["start"] <= 1 + r["gamma"]
+    fp32, bf16 = r["arms"]["fp32"], r["arms"]["bf16"]
+    assert fp32["loss_first"] != bf16["loss_first"] and abs(bf16["loss_first"] / fp32["loss_first"] - 1) < 0.05
+    assert all(1.0 <= a["heldout_expected_accept_length"] <= 1 + r["gamma"] for a in r["arms"].values())
+    assert main(["--preset", "ci", "--out", str(tmp_path / "p")]) == 2  # summary.json is there: refused
+    assert main(["--preset", "ci", "--answers", "4", "--heldout", "4", "--out", str(tmp_path / "q")]) == 2

@@ -16,6 +16,20 @@ against full-fp32's (max and mean |gap|) and against the engine's (the ones the 
 the update's losses; and how far its weight change is from full-fp32's,
 ||delta_arm - delta_full|| / ||delta_full||, beside the same figure for a second full-fp32 update
 (`full-fp32-b`: the noise of the measurement itself, zero on a deterministic CPU).
+
+The draft's online update on the same batch (`draft_rows`): the preset's starting draft, the
+batch's features and soft targets captured by one policy forward, one `OnlineDraftTrainer`
+update of 16 sequences from the same weights and a fresh optimizer per turn, and one held-out
+measurement (`specrl.cotrain.heldout_accept_length`) of the batch:
+
+  draft-all-rows  fp32, every row of the TTT unroll computed (draft_models.ttt.first_needed_row
+                  held at 0: what the unroll did before it skipped the prompt rows)
+  draft-fp32      fp32, the rows a loss reads (the default)
+  draft-bf16      the same under bf16 autocast (OnlineDraftConfig.compute_dtype "bf16")
+  draft-fp32-b    draft-fp32 again: the noise of the timing itself
+
+Per arm: seconds per update and per held-out measurement (medians, the first turn left out), the
+update's loss and its gap to draft-all-rows'.
 Outputs in DIR: summary.json.
 """
 from __future__ import annotations
@@ -99,6 +113,68 @@ def one_update(model, start: dict, trajectories, rewards, group_size: int, cfg, 
     return seconds, metrics, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+DRAFT_ARMS = {"draft-all-rows": (False, "fp32"), "draft-fp32": (True, "fp32"), "draft-bf16": (True, "bf16"),
+              "draft-fp32-b": (True, "fp32")}  # arm -> (skip the rows no loss reads, compute dtype)
+
+
+def draft_rows(policy, trajectories, preset, task_name: str, seed: int, cache_dir, repeats: int, log=print) -> list:
+    """The draft-update arms (module docstring) on the batch's captured features."""
+    import draft_models.ttt as ttt
+    from draft_models.train import capture_features
+    from specrl.cotrain import heldout_accept_length
+    from specrl.online_trainer import OnlineDraftTrainer
+    from specrl.rl_setup import build_task_and_policy, encode_prompts
+    from specrl.drafts import cached_offline_draft
+    from target_training.sft import default_cache_dir
+
+    tokenizer, task, _, _ = build_task_and_policy(task_name, preset, cache_dir or default_cache_dir(), log=log)
+    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))  # as train_rl
+    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir or default_cache_dir(),
+                                    log=log, progress=False)
+    records = capture_features(policy, [t.full_ids for t in trajectories],
+                               [[0] * len(t.prompt_ids) + [1] * len(t.token_ids) for t in trajectories],
+                               batch_size=8, d2t=draft.d2t)
+    for r in records:
+        r["policy_version"] = 0
+    start = {k: v.detach().clone() for k, v in draft.state_dict().items()}
+    batch = records[:preset.cotrain.online.batch_size]
+
+    class Batch:  # the same records every update
+        def sample(self, n, generator, prefer_rejected=0.0, min_version=None):
+            return batch[:n]
+
+    bound = ttt.first_needed_row
+    times: dict[str, list] = {a: [] for a in DRAFT_ARMS}
+    losses: dict[str, float] = {}
+    try:
+        for arm in [a for k in range(repeats + 1) for a in turn_order(list(DRAFT_ARMS), k)]:
+            skip, dtype = DRAFT_ARMS[arm]
+            ttt.first_needed_row = bound if skip else (lambda mask, steps: 0)
+            draft.load_state_dict(start)
+            trainer = OnlineDraftTrainer(draft, dataclasses.replace(preset.cotrain.online, compute_dtype=dtype))
+            m = trainer.train_step(Batch(), None)
+            draft.load_state_dict(start)
+            t0 = time.perf_counter()
+            heldout_accept_length(draft, records, preset.cotrain.spec.gamma)
+            times[arm].append((m["seconds"], time.perf_counter() - t0))
+            losses.setdefault(arm, m["draft_loss"])
+    finally:
+        ttt.first_needed_row = bound
+        draft.load_state_dict(start)
+    rows, base = [], None
+    for arm in DRAFT_ARMS:
+        timed = times[arm][1:]
+        row = {"arm": arm, "seconds": statistics.median(t[0] for t in timed),
+               "heldout_seconds": statistics.median(t[1] for t in timed), "sequences": len(batch),
+               "draft_loss": losses[arm], "loss_gap": abs(losses[arm] - losses["draft-all-rows"])}
+        base = base or row["seconds"]
+        row["speedup"] = base / row["seconds"]
+        rows.append(row)
+        log(f"[bench update] {arm:<14} median {row['seconds']:.3f}s per draft update (x{row['speedup']:.2f}), "
+            f"held-out measurement {row['heldout_seconds']:.3f}s; loss {row['draft_loss']:.5f}")
+    return rows
+
+
 def delta_gap(start: dict, after: dict, ref_after: dict) -> float:
     """||(after - start) - (ref_after - start)|| / ||ref_after - start|| over every weight."""
     num = sum(float((after[k].float() - ref_after[k].float()).pow(2).sum()) for k in start)
@@ -146,7 +222,8 @@ def bench_update(task_name: str, preset_name: str, out_dir, *, seed: int = 0, ca
             f"full-fp32 max {row['logprob_gap_max']:.2e} mean {row['logprob_gap_mean']:.2e}; weight change off "
             f"full-fp32's by {row['delta_gap']:.3f}")
     lengths = [len(t.token_ids) for t in trajectories]
-    return save_summary(out_dir, {
+    drafts = draft_rows(policy, trajectories, preset, task_name, seed, cache_dir, repeats, log=log)
+    return save_summary(out_dir, {"draft_rows": drafts,
         "benchmark": "update", "task": task_name, "preset": preset_name, "seed": seed, "repeats": repeats,
         "sequences": len(trajectories), "answer_tokens": sum(lengths), "prompt_tokens":
         sum(len(t.prompt_ids) for t in trajectories), "minibatch_size": preset.grpo.minibatch_size,
@@ -155,4 +232,6 @@ def bench_update(task_name: str, preset_name: str, out_dir, *, seed: int = 0, ca
 
 def headline(summary: dict) -> list[tuple[str, str]]:
     return [(r["arm"], f"{r['seconds']:.1f}s per update (x{r['speedup']:.2f}), log-prob gap max "
-                       f"{r['logprob_gap_max']:.1e}") for r in summary["rows"]]
+                       f"{r['logprob_gap_max']:.1e}") for r in summary["rows"]] + [
+        (r["arm"], f"{r['seconds']:.3f}s per draft update (x{r['speedup']:.2f}), held-out measurement "
+                   f"{r['heldout_seconds']:.3f}s") for r in summary.get("draft_rows", [])]
