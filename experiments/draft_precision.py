@@ -44,7 +44,7 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, answers: int
             updates: int = 48, cache_dir=None, log=print) -> dict:
     from draft_models.train import capture_features
     from specrl.cotrain import heldout_accept_length
-    from specrl.drafts import cached_offline_draft, rollout_records
+    from specrl.drafts import rollout_records, starting_draft
     from specrl.online_trainer import OnlineDraftTrainer
     from specrl.presets import get_preset
     from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
@@ -59,9 +59,7 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, answers: int
     preset = get_preset(preset_name)
     cache_dir = cache_dir or default_cache_dir()
     tokenizer, task_obj, policy, _ = build_task_and_policy(task, preset, cache_dir, log=log)
-    draft_prompts = encode_prompts(tokenizer, task_obj.examples("train", preset.draft.n_sequences, seed + 7))  # as train_rl
-    draft, _ = cached_offline_draft(policy, draft_prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log,
-                                    progress=False)
+    draft, _ = starting_draft(policy, tokenizer, task_obj, preset, seed, cache_dir, log=log, progress=False)
     pool = task_obj.examples("train", max(512, answers), seed + 1)
     t0 = time.perf_counter()
     seqs, masks = rollout_records(policy, encode_prompts(tokenizer, pool[:answers]), rollout_params(preset, tokenizer, seed),

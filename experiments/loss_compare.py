@@ -30,6 +30,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -98,7 +99,7 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: in
         steps = [trainer.train_step(run.cotrain.buffer, gen) for _ in range(updates)]
         m = measure(run, draft, prompts, params, ids)
         m["loss_first"], m["loss_last"] = steps[0]["draft_loss"], steps[-1]["draft_loss"]
-        m["update_s_median"] = sorted(x["seconds"] for x in steps[1:] or steps)[len(steps[1:] or steps) // 2]
+        m["update_s_median"] = statistics.median(x["seconds"] for x in steps[1:] or steps)
         result["arms"][name] = m
     answers = [m.pop("answers") for m in result["arms"].values()]
     result["same_tokens"] = all(a == answers[0] for a in answers)

@@ -88,6 +88,15 @@ def train_offline_draft(policy, prompts, cfg: DraftTrainConfig, stop_ids, log=pr
     return draft, {"draft_train_s": time.perf_counter() - t0}
 
 
+def starting_draft(policy, tokenizer, task, preset, seed: int, cache_dir: Path, log=print,
+                   progress: bool | None = None):
+    """(draft, info): a run's starting draft for `preset` and `seed`, trained offline on the
+    policy's answers to the preset's draft prompts, or taken from the cache (cached_offline_draft)."""
+    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
+    return cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log,
+                                progress=progress)
+
+
 def policy_fingerprint(policy) -> str:
     h = hashlib.sha256()
     for k, v in sorted(policy.state_dict().items()):
@@ -134,8 +143,7 @@ def train_draft_command(task_name: str, preset_name: str, out_dir, *, policy_pat
     if policy_path is not None:
         policy, _, _, _ = load_checkpoint(policy_path, policy.cfg)
         policy.eval()
-    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
     # the cache is keyed by the policy's weights and the settings: a train-rl run's starting draft is reused
-    draft, info = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir)
+    draft, info = starting_draft(policy, tokenizer, task, preset, seed, cache_dir)
     save_draft(draft, out)
     return {"draft": str(out), "draft_vocab_size": int(draft.d2t.numel()), **info}

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from specrl.config import CoTrainConfig
 from specrl.cotrain import SpecCoTrainer
-from specrl.drafts import cached_offline_draft
+from specrl.drafts import starting_draft
 from specrl.presets import RunPreset, get_preset, reproducible as fixed_decisions
 from specrl.run_choice import choice_history
 from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, read_metrics, restore_state,
@@ -206,9 +206,7 @@ def build_cotrainer(mode: str, policy, tokenizer, task, preset: RunPreset, seed:
         return SpecCoTrainer(None, CoTrainConfig(mode="off"))
     if preset.cotrain.drafter == "history":  # no model drafts: no EAGLE-3 head to build
         return SpecCoTrainer(None, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
-    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
-    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir, log=log,
-                                    progress=progress)
+    draft, _ = starting_draft(policy, tokenizer, task, preset, seed, cache_dir, log=log, progress=progress)
     return SpecCoTrainer(draft, dataclasses.replace(preset.cotrain, mode=mode, seed=seed))
 
 

@@ -46,7 +46,7 @@ import torch
 from experiments.bench.common import machine_info, turn_order
 from rollout.engine import EmbeddedEngine, EngineConfig
 from specrl.cotrain import SpecCoTrainer
-from specrl.drafts import cached_offline_draft
+from specrl.drafts import starting_draft
 from specrl.presets import DRIFT_COTRAIN_FIXED, RunPreset, get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
 from specrl.run_dir import METRICS_FILE
@@ -81,9 +81,8 @@ def _setup(task_name: str, preset_name: str, out_dir, seed: int, cache_dir, log)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer, task, policy, _ = build_task_and_policy(task_name, preset, cache_dir, log)
-    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))
-    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,),
-                                    Path(cache_dir) if cache_dir else default_cache_dir(), log=log)
+    draft, _ = starting_draft(policy, tokenizer, task, preset, seed,
+                              Path(cache_dir) if cache_dir else default_cache_dir(), log=log)
     pool = task.examples("train", max(512, preset.prompts_per_step * 8), seed + 1)
     torch.manual_seed(seed)
     return out, preset, tokenizer, task, policy, draft, pool

@@ -47,7 +47,8 @@ ARMS = {"full-fp32": (True, "fp32"), "answer-fp32": (False, "fp32"), "answer-bf1
 
 
 def rollout_batch(task_name: str, preset_name: str, seed: int, cache_dir, log=print):
-    """(policy, trajectories, rewards, preset): the preset's first RL step, sampled by the embedded engine."""
+    """(policy, trajectories, rewards, preset, tokenizer, task): the preset's first RL step, sampled
+    by the embedded engine."""
     from rollout.engine import EmbeddedEngine, EngineConfig
     from specrl.rl_setup import build_task_and_policy, encode_prompts, generate_step, rollout_params, score, step_examples
     from target_training.sft import default_cache_dir
@@ -61,7 +62,7 @@ def rollout_batch(task_name: str, preset_name: str, seed: int, cache_dir, log=pr
     rollout = generate_step(engine, encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, seed),
                             list(range(len(examples))), preset.group_size)
     log(f"[bench update] rollout of {len(examples)} answers in {time.perf_counter() - t0:.1f}s")
-    return policy, list(rollout), score(task, tokenizer, examples, rollout), preset
+    return policy, list(rollout), score(task, tokenizer, examples, rollout), preset, tokenizer, task
 
 
 def full_forward(model, temperature: float):
@@ -117,20 +118,17 @@ DRAFT_ARMS = {"draft-all-rows": (False, "fp32"), "draft-fp32": (True, "fp32"), "
               "draft-fp32-b": (True, "fp32")}  # arm -> (skip the rows no loss reads, compute dtype)
 
 
-def draft_rows(policy, trajectories, preset, task_name: str, seed: int, cache_dir, repeats: int, log=print) -> list:
+def draft_rows(policy, trajectories, preset, tokenizer, task, seed: int, cache_dir, repeats: int, log=print) -> list:
     """The draft-update arms (module docstring) on the batch's captured features."""
     import draft_models.ttt as ttt
     from draft_models.train import capture_features
     from specrl.cotrain import heldout_accept_length
     from specrl.online_trainer import OnlineDraftTrainer
-    from specrl.rl_setup import build_task_and_policy, encode_prompts
-    from specrl.drafts import cached_offline_draft
+    from specrl.drafts import starting_draft
     from target_training.sft import default_cache_dir
 
-    tokenizer, task, _, _ = build_task_and_policy(task_name, preset, cache_dir or default_cache_dir(), log=log)
-    prompts = encode_prompts(tokenizer, task.examples("train", preset.draft.n_sequences, seed + 7))  # as train_rl
-    draft, _ = cached_offline_draft(policy, prompts, preset.draft, (tokenizer.eos_id,), cache_dir or default_cache_dir(),
-                                    log=log, progress=False)
+    draft, _ = starting_draft(policy, tokenizer, task, preset, seed, cache_dir or default_cache_dir(), log=log,
+                           progress=False)
     records = capture_features(policy, [t.full_ids for t in trajectories],
                                [[0] * len(t.prompt_ids) + [1] * len(t.token_ids) for t in trajectories],
                                batch_size=8, d2t=draft.d2t)
@@ -186,7 +184,8 @@ def bench_update(task_name: str, preset_name: str, out_dir, *, seed: int = 0, ca
                  log=print) -> dict:
     from target_training.grpo import native_bf16
 
-    policy, trajectories, rewards, preset = rollout_batch(task_name, preset_name, seed, cache_dir, log=log)
+    policy, trajectories, rewards, preset, tokenizer, task = rollout_batch(task_name, preset_name, seed, cache_dir,
+                                                                           log=log)
     start = {k: v.detach().clone() for k, v in policy.state_dict().items()}
     engine_lp = torch.cat([torch.as_tensor(t.logprobs, dtype=torch.float32) for t in trajectories])
     ref_lp = answer_logprobs(policy, trajectories, dataclasses.replace(preset.grpo, compute_dtype="fp32"), full=True)
@@ -222,7 +221,7 @@ def bench_update(task_name: str, preset_name: str, out_dir, *, seed: int = 0, ca
             f"full-fp32 max {row['logprob_gap_max']:.2e} mean {row['logprob_gap_mean']:.2e}; weight change off "
             f"full-fp32's by {row['delta_gap']:.3f}")
     lengths = [len(t.token_ids) for t in trajectories]
-    drafts = draft_rows(policy, trajectories, preset, task_name, seed, cache_dir, repeats, log=log)
+    drafts = draft_rows(policy, trajectories, preset, tokenizer, task, seed, cache_dir, repeats, log=log)
     return save_summary(out_dir, {"draft_rows": drafts,
         "benchmark": "update", "task": task_name, "preset": preset_name, "seed": seed, "repeats": repeats,
         "sequences": len(trajectories), "answer_tokens": sum(lengths), "prompt_tokens":
