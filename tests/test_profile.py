@@ -126,3 +126,22 @@ def test_paired_efficiency_divides_each_repeat_by_its_own_bound():
     assert row["efficiency_paired"] == pytest.approx(2.0)
     assert row["bound"] == pytest.approx(3 / 1.6) and row["bound_median"] == pytest.approx(3 / 2.3)
     assert spec_row(1, SpecConfig(mode="chain", gamma=4), timed, plain, pooled, {})["efficiency_paired"] is None
+
+
+def test_machine_info_names_the_cpu_and_its_bf16(tmp_path, monkeypatch):
+    """A result says which CPU it ran on (two x86_64 machines here differ twofold in the real
+    model's update) and whether "auto" precision meant bf16 there."""
+    from pathlib import Path
+
+    from experiments.bench import common
+    from target_training.grpo import native_bf16
+
+    info = common.machine_info()
+    assert info["cpu_bf16"] is native_bf16(torch.device("cpu"))
+    fake = tmp_path / "cpuinfo"
+    fake.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Example CPU 9000 @ 2.0GHz\nflags\t: fpu\n")
+    real_path = Path
+    monkeypatch.setattr(common, "Path", lambda p: real_path(fake) if p == "/proc/cpuinfo" else real_path(p))
+    assert common.cpu_model() == "Example CPU 9000 @ 2.0GHz"
+    monkeypatch.setattr(common, "Path", lambda p: real_path(tmp_path / "absent"))
+    assert common.cpu_model() == (common.platform.processor() or common.platform.machine())

@@ -19,6 +19,7 @@ import torch
 from rollout.protocol import Rollout
 from specrl.presets import get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
+from target_training.grpo import native_bf16
 from target_training.sft import default_cache_dir
 
 
@@ -48,10 +49,24 @@ def code_version() -> str:
 CODE_AT_START = code_version()
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` knows: "x86_64" alone
+    does not tell two machines whose speeds differ twofold apart."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     """The machine and the code a result ran on (the code when the process started), with the
-    date (UTC): every summary.json carries it."""
+    date (UTC): every summary.json carries it. `cpu_bf16`: whether the CPU computes bf16 natively,
+    which decides what `compute_dtype="auto"` runs (the `real` preset's policy and draft updates)."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu": cpu_model(), "cpu_bf16": native_bf16(torch.device("cpu")),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
