@@ -20,7 +20,7 @@ mkdir -p .lane-logs
     done
 ) &
 installs=$!
-.venv/bin/python -m pytest -q -m "not slow and not vllm and not sglang and not verl and not miles and not areal"
+.venv/bin/python -m pytest -q --durations=15 -m "not slow and not vllm and not sglang and not verl and not miles and not areal"
 if ! wait "$installs"; then
     echo "a lane install failed:" >&2
     tail -n 40 .lane-logs/*.install.log >&2
