@@ -25,8 +25,10 @@ sampled speculation follows the policy's law but not plain vLLM's tokens, and ar
 different tokens cannot be compared (the policy KL is still taken at the rollout temperature).
 
 Outputs in DIR: metrics.jsonl (a row per evaluation point and arm; the online row of a point
-with a reference carries `online_over_reference`, the ratio of their accept lengths),
-summary.json, rl/ (the RL run's own metrics.jsonl and checkpoint) and the PNG plots of
+with a reference carries `online_over_reference`, the ratio of their accept lengths; every
+online row carries `online_over_frozen` with its 95% paired bootstrap interval over the
+evaluation prompts, `online_over_frozen_low`/`_high`, the noise against which "online below
+frozen at a point" is judged), summary.json, rl/ (the RL run's own metrics.jsonl and checkpoint) and the PNG plots of
 `experiments.plots`.
 
 What the online draft costs, `draft_added_fraction` in summary.json: RL step time with online
@@ -71,7 +73,7 @@ import torch
 
 from experiments.bench.common import Grouped, machine_info, repeat_ratios, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
-from rollout.protocol import same_tokens, summarize_spec_stats
+from rollout.protocol import accept_length_ratio_interval, same_tokens, summarize_spec_stats
 from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
@@ -377,6 +379,13 @@ class DriftEvaluator(RLCallback):
         pts = {r["arm"]: r for r in self.rows if r["step"] == step}
         if "reference" in pts and pts["reference"]["accept_length"] > 0:  # 0: nothing verified, no ratio
             pts["online"]["online_over_reference"] = pts["online"]["accept_length"] / pts["reference"]["accept_length"]
+        # online over frozen with its paired bootstrap interval over the evaluation prompts: the
+        # noise band within which "online below frozen" at one point is the draw of prompts
+        ratio, lo, hi = accept_length_ratio_interval([t.spec for t in results["online"]["trajectories"]],
+                                                     [t.spec for t in results["frozen"]["trajectories"]],
+                                                     seed=run.seed * 1000 + step)
+        if ratio == ratio:  # nan: nothing verified
+            pts["online"].update(online_over_frozen=ratio, online_over_frozen_low=lo, online_over_frozen_high=hi)
         self._log_point(step)
 
     def time_arms(self, run: RLRun, arms: dict, batch: int, prompts, params, repeats: int) -> dict[str, dict]:
@@ -437,6 +446,8 @@ class DriftEvaluator(RLCallback):
     def _log_point(self, step: int) -> None:
         pts = [r for r in self.rows if r["step"] == step]
         parts = [f"{r['arm']} tau {r['accept_length']:.2f} x{r['speedup']:.2f}" for r in pts if r["arm"] != "plain"]
+        parts += [f"online/frozen {r['online_over_frozen']:.3f} [{r['online_over_frozen_low']:.3f}-"
+                  f"{r['online_over_frozen_high']:.3f}]" for r in pts if "online_over_frozen" in r]
         parts += [f"online/reference {r['online_over_reference']:.3f}" for r in pts if "online_over_reference" in r]
         kl = next(r["kl_from_start"] for r in pts if r["arm"] == "plain")
         self.log(f"[drift] step {step:>3}: KL {kl:.3f}  " + "  ".join(parts))
@@ -463,6 +474,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
     draft_s = sum(r["perf/draft_overhead_s"] for r in rl_rows)  # draft_train_s + feature_capture_s
     step_s = sum(r["step_s"] for r in rl_rows)
     ratios = [r["online_over_reference"] for r in rows if "online_over_reference" in r]
+    later = [r for r in rows if r["step"] > 0 and "online_over_frozen" in r]  # step 0: the same draft
     online_end, frozen_end = (next(r for r in rows if r["step"] == last_step and r["arm"] == arm)
                               for arm in ("online", "frozen"))
     steps_ratio = (frozen_end["engine_steps"] / online_end["engine_steps"]
@@ -478,6 +490,13 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "online_end_over_start": at(last_step, "online", "accept_length") / at(0, "online", "accept_length"),
         # the online draft's accept length over the reference's, worst evaluation point (per point in metrics.jsonl)
         "online_over_reference_min": min(ratios, default=None),
+        # evaluation points after step 0 where the online draft's accept length is below frozen's, and
+        # those where it is below beyond the noise (the bootstrap interval's top under 1)
+        "online_below_frozen_points": [r["step"] for r in later if r["online_over_frozen"] < 1.0],
+        "online_below_frozen_beyond_noise": [r["step"] for r in later if r["online_over_frozen_high"] < 1.0],
+        "online_below_frozen_n": sum(r["online_over_frozen"] < 1.0 for r in later),
+        "online_below_frozen_beyond_noise_n": sum(r["online_over_frozen_high"] < 1.0 for r in later),
+        "online_over_frozen_min": min((r["online_over_frozen"] for r in later), default=None),
         "reference_steps": sorted(r["step"] for r in rows if r["arm"] == "reference"),
         "reward_start": rl_summary["reward_start"], "reward_end": rl_summary["reward_end"],
         "kl_end": at(last_step, "plain", "kl_from_start"),
@@ -555,6 +574,16 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
     return summary
 
 
+def _below_frozen(summary: dict) -> str:
+    """Where the online draft's accept length fell below frozen's (evaluation steps), and where
+    beyond its bootstrap interval over the evaluation prompts."""
+    if summary.get("online_over_frozen_min") is None:
+        return "no point after step 0"
+    steps = summary["online_below_frozen_points"]
+    return (f"at {len(steps)} point(s) {steps}, beyond the noise at {summary['online_below_frozen_beyond_noise']}; "
+            f"lowest ratio {summary['online_over_frozen_min']:.3f}")
+
+
 def headline(summary: dict) -> list[tuple[str, str]]:
     """The figures a drift run ends with (`specrl drift`)."""
     return [("accept length", f"start {summary['tau_start']:.3f}; end: frozen {summary['tau_frozen_end']:.3f}, "
@@ -564,6 +593,7 @@ def headline(summary: dict) -> list[tuple[str, str]]:
             ("online over frozen", f"x{summary['speedup_online_over_frozen_end']:.3f} (engine steps: " + (
                 "not counted by this engine)" if summary['online_over_frozen_steps_end'] is None
                 else f"x{summary['online_over_frozen_steps_end']:.3f})")),
+            ("online below frozen", _below_frozen(summary)),
             ("online draft cost", f"{summary['draft_added_fraction']:+.1%} RL step time"),
             ("policy", f"KL from start {summary['kl_end']:.3f}; held-out reward {summary['reward_start']:.3f} -> "
                        f"{summary['reward_end']:.3f}"),

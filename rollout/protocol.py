@@ -132,6 +132,36 @@ def summarize_spec_stats(stats) -> dict:
             "accept_rate_per_pos": per_pos, "verify_steps": verify, "drafted": drafted}
 
 
+def accept_length_ratio_interval(stats_a, stats_b, level: float = 0.95, n_boot: int = 2000,
+                                 seed: int = 0) -> tuple[float, float, float]:
+    """The ratio of two drafts' accept lengths on the same sequences, with its paired bootstrap
+    interval: (ratio, low, high).
+
+    `stats_a[i]` and `stats_b[i]` are the SpecStats of sequence i decoded by draft a and draft b
+    (the same prompts, the same emitted tokens: a lossless pair of arms). The bootstrap resamples
+    the n sequences with replacement, both arms together, `n_boot` times, and takes the central
+    `level` percentile interval of accept_length(a) / accept_length(b); the spread is what a
+    different draw of evaluation prompts would give. Resamples in which b verified nothing are
+    dropped. An empty or all-zero input gives (nan, nan, nan)."""
+    pairs = [(a, b) for a, b in zip(stats_a, stats_b, strict=True) if a is not None and b is not None]
+    nan = float("nan")
+    if not pairs or not sum(b.verify_steps for _, b in pairs) or not sum(a.verify_steps for a, _ in pairs):
+        return nan, nan, nan
+    # (n, 4): accepted and verify steps of a, then of b
+    x = torch.tensor([[a.accepted, a.verify_steps, b.accepted, b.verify_steps] for a, b in pairs], dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(len(pairs), (n_boot, len(pairs)), generator=g)  # (n_boot, n)
+    s = x[idx].sum(dim=1)  # (n_boot, 4)
+    keep = (s[:, 1] > 0) & (s[:, 3] > 0)
+    s = s[keep]
+    boot = ((s[:, 0] + s[:, 1]) / s[:, 1]) / ((s[:, 2] + s[:, 3]) / s[:, 3])
+    tail = (1.0 - level) / 2
+    lo, hi = torch.quantile(boot, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    total = x.sum(dim=0)
+    ratio = accept_length(int(total[0]), int(total[1])) / accept_length(int(total[2]), int(total[3]))
+    return ratio, lo, hi
+
+
 def same_tokens(trajectories, others) -> bool:
     """Whether two generate() results emitted the same tokens, request by request: the
     losslessness check of every speculative arm against plain decoding."""

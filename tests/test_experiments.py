@@ -58,6 +58,19 @@ def test_drift_outputs(drift_runs):
         assert ratio == pts["online"]["accept_length"] / pts["reference"]["accept_length"]
         ratios.append(ratio)
     assert ratios[0] == 1.0  # step 0: online and reference are both the starting draft
+    below, beyond = [], []
+    for step in steps:  # online over frozen with its bootstrap interval at every point
+        pts = {r["arm"]: r for r in rows if r["step"] == step}
+        o = pts["online"]
+        assert o["online_over_frozen"] == pytest.approx(o["accept_length"] / pts["frozen"]["accept_length"])
+        assert o["online_over_frozen_low"] <= o["online_over_frozen"] <= o["online_over_frozen_high"]
+        if step == 0:  # the same draft: no spread
+            assert o["online_over_frozen_low"] == o["online_over_frozen_high"] == 1.0
+        else:
+            below += [step] if o["online_over_frozen"] < 1.0 else []
+            beyond += [step] if o["online_over_frozen_high"] < 1.0 else []
+    assert summary["online_below_frozen_points"] == below and summary["online_below_frozen_beyond_noise"] == beyond
+    assert summary["online_below_frozen_n"] == len(below) and summary["online_below_frozen_beyond_noise_n"] == len(beyond)
     end = {r["arm"]: r for r in rows if r["step"] == steps[-1]}
     assert all(isinstance(r["engine_steps"], int) and r["engine_steps"] > 0 for r in end.values())
     assert summary["online_over_frozen_steps_end"] == end["frozen"]["engine_steps"] / end["online"]["engine_steps"]
