@@ -1,7 +1,14 @@
+import os
+
 import pytest
 import torch
 
 from target_training.config import model_config_for
+
+# Under pytest-xdist (tests/run.sh: one worker per core) each worker gets its share of the cores:
+# the tests' models are tiny, and two workers of two intra-op threads each on 2 cores only contend.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture

@@ -2,7 +2,9 @@
 # The whole test suite, set up from nothing: the base lane (embedded default, CPU torch pinned),
 # then one lane per real upstream package (tests/lanes/*.sh, each in its own venv `.venv-<lane>`).
 # The lanes' installs (mostly download and unpack) run in the background while the base lane
-# tests; their tests run afterwards, one lane at a time. Slow tests (marked `slow`) are left out.
+# tests; their tests run afterwards, one lane at a time. The base lane's test files are shared among one
+# worker per core (pytest-xdist, a file's tests on one worker so its fixtures are built once).
+# Slow tests (marked `slow`) are left out: `-m slow` runs them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m venv .venv
@@ -20,7 +22,7 @@ mkdir -p .lane-logs
     done
 ) &
 installs=$!
-.venv/bin/python -m pytest -q --durations=15 -m "not slow and not vllm and not sglang and not verl and not miles and not areal"
+.venv/bin/python -m pytest -q -n auto --dist loadfile --durations=15 -m "not slow and not vllm and not sglang and not verl and not miles and not areal"
 if ! wait "$installs"; then
     echo "a lane install failed:" >&2
     tail -n 40 .lane-logs/*.install.log >&2

@@ -74,6 +74,7 @@ def test_drift_on_vllm_runs_its_arms_on_vllm(tmp_path):
     assert all(r["accept_length"] > 1.5 and r["tokens_per_s"] > 0 for r in sweep if r["arm"] != "plain")
 
 
+@pytest.mark.slow  # about 6 minutes on 2 cores (vLLM restarts each way, four evaluation points)
 def test_drift_on_vllm_under_a_run_choice_evaluates_every_draft_speculating(tmp_path):
     """`specrl drift --engine vllm` with an adaptive co-trainer whose run choice keeps plain decoding
     (a margin no speculation reaches: decided after one warm-up and one timed rollout of each arm): the evaluation

@@ -45,5 +45,5 @@ fi
 t1=$(date +%s)
 echo "vllm lane: install/check took $((t1 - t0)) s"
 [ "${SPECRL_LANE_INSTALL_ONLY:-0}" = "1" ] && exit 0
-SPECRL_LANE=vllm VLLM_ALLOW_INSECURE_SERIALIZATION=1 "$VENV/bin/python" -m pytest -q --durations=10 -m vllm tests/test_vllm_*.py  # the other files need the base venv
+SPECRL_LANE=vllm VLLM_ALLOW_INSECURE_SERIALIZATION=1 "$VENV/bin/python" -m pytest -q --durations=10 -m "vllm and not slow" tests/test_vllm_*.py  # the other files need the base venv; -m vllm adds the slow ones
 echo "vllm lane: tests took $(( $(date +%s) - t1 )) s"
