@@ -475,6 +475,8 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
     step_s = sum(r["step_s"] for r in rl_rows)
     ratios = [r["online_over_reference"] for r in rows if "online_over_reference" in r]
     later = [r for r in rows if r["step"] > 0 and "online_over_frozen" in r]  # step 0: the same draft
+    below = [r["step"] for r in later if r["online_over_frozen"] < 1.0]
+    below_beyond_noise = [r["step"] for r in later if r["online_over_frozen_high"] < 1.0]
     online_end, frozen_end = (next(r for r in rows if r["step"] == last_step and r["arm"] == arm)
                               for arm in ("online", "frozen"))
     steps_ratio = (frozen_end["engine_steps"] / online_end["engine_steps"]
@@ -492,10 +494,8 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "online_over_reference_min": min(ratios, default=None),
         # evaluation points after step 0 where the online draft's accept length is below frozen's, and
         # those where it is below beyond the noise (the bootstrap interval's top under 1)
-        "online_below_frozen_points": [r["step"] for r in later if r["online_over_frozen"] < 1.0],
-        "online_below_frozen_beyond_noise": [r["step"] for r in later if r["online_over_frozen_high"] < 1.0],
-        "online_below_frozen_n": sum(r["online_over_frozen"] < 1.0 for r in later),
-        "online_below_frozen_beyond_noise_n": sum(r["online_over_frozen_high"] < 1.0 for r in later),
+        "online_below_frozen_points": below, "online_below_frozen_beyond_noise": below_beyond_noise,
+        "online_below_frozen_n": len(below), "online_below_frozen_beyond_noise_n": len(below_beyond_noise),
         "online_over_frozen_min": min((r["online_over_frozen"] for r in later), default=None),
         "reference_steps": sorted(r["step"] for r in rows if r["arm"] == "reference"),
         "reward_start": rl_summary["reward_start"], "reward_end": rl_summary["reward_end"],

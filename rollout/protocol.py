@@ -144,11 +144,12 @@ def accept_length_ratio_interval(stats_a, stats_b, level: float = 0.95, n_boot: 
     different draw of evaluation prompts would give. Resamples in which b verified nothing are
     dropped. An empty or all-zero input gives (nan, nan, nan)."""
     pairs = [(a, b) for a, b in zip(stats_a, stats_b, strict=True) if a is not None and b is not None]
-    nan = float("nan")
-    if not pairs or not sum(b.verify_steps for _, b in pairs) or not sum(a.verify_steps for a, _ in pairs):
-        return nan, nan, nan
     # (n, 4): accepted and verify steps of a, then of b
-    x = torch.tensor([[a.accepted, a.verify_steps, b.accepted, b.verify_steps] for a, b in pairs], dtype=torch.float64)
+    x = torch.tensor([[a.accepted, a.verify_steps, b.accepted, b.verify_steps] for a, b in pairs],
+                     dtype=torch.float64).reshape(-1, 4)
+    total = x.sum(dim=0)
+    if not (total[1] > 0 and total[3] > 0):
+        return float("nan"), float("nan"), float("nan")
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(len(pairs), (n_boot, len(pairs)), generator=g)  # (n_boot, n)
     s = x[idx].sum(dim=1)  # (n_boot, 4)
@@ -157,7 +158,6 @@ def accept_length_ratio_interval(stats_a, stats_b, level: float = 0.95, n_boot: 
     boot = ((s[:, 0] + s[:, 1]) / s[:, 1]) / ((s[:, 2] + s[:, 3]) / s[:, 3])
     tail = (1.0 - level) / 2
     lo, hi = torch.quantile(boot, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
-    total = x.sum(dim=0)
     ratio = accept_length(int(total[0]), int(total[1])) / accept_length(int(total[2]), int(total[3]))
     return ratio, lo, hi
 
