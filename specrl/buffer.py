@@ -84,6 +84,10 @@ class FeatureBuffer:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def count(self, min_version: int | None = None) -> int:
+        """Records `sample(..., min_version=min_version)` draws from (all of them: None)."""
+        return sum(1 for e in self._entries.values() if min_version is None or e["policy_version"] >= min_version)
+
     @property
     def nbytes(self) -> int:
         return self._bytes

@@ -558,7 +558,7 @@ class SpecCoTrainer:
         before, rollbacks = self.draft_trainer.version, self.draft_trainer.counters["rollbacks"]
         try:
             result = self.draft_trainer.train_for(self.buffer, steps, remaining_s, self.generator,
-                                                  min_version=self._min_version(), batch_size=batch)
+                                                  min_version=self.min_train_version(), batch_size=batch)
         except Exception as err:  # OOM, NaN or a bug on the draft side: never stop the RL run
             self._on_draft_error(err)
             return time.perf_counter() - t0
@@ -569,7 +569,7 @@ class SpecCoTrainer:
             self._push_weights()
         return time.perf_counter() - t0
 
-    def _min_version(self) -> int | None:
+    def min_train_version(self) -> int | None:
         """Oldest policy version the draft may train on (config.recent_versions; None: all)."""
         recent = self.config.recent_versions
         return max(0, self.policy_version - recent) if recent else None
@@ -641,7 +641,7 @@ class SpecCoTrainer:
         budget = self.scheduler.budget_s  # the same time budget per step as the sequential windows
         launched = self._overlap.launch(self.buffer, steps, batch, budget, self.generator,
                                         prefer_rejected=self.config.online.prefer_rejected,
-                                        min_version=self._min_version())
+                                        min_version=self.min_train_version())
         threads = self.config.scheduler.rollout_threads
         if launched and threads is not None:  # leave the burst its cores until it is collected
             self._threads_outside_burst = torch.get_num_threads()

@@ -11,7 +11,7 @@ import pytest
 
 from experiments.bench.rl import PARTS, bench_rl, summarize
 from specrl.cli import main
-from specrl.run_dir import RunDirError
+from specrl.run_dir import RUN_FILE, RunDirError
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +160,28 @@ def test_an_unfinished_run_is_reported_from_the_segments_every_arm_completed(ben
     assert "every arm completed 1 step(s); a report needs a whole segment" in err and err.count("\n") == 1
 
 
+def test_an_unpriced_arm_takes_its_count_of_updates_from_its_name(tmp_path):
+    """online-unpriced-N: the count rule with N updates every step and no hard cap (the budget's
+    settings otherwise); N outside 1-999 is no arm; an unfinished run's folder of such an arm is
+    cleared like any arm's."""
+    from experiments.bench.rl import arm_setup, clear_unfinished
+    from specrl.presets import get_preset
+
+    base = get_preset("speed-drift")
+    mode, p2 = arm_setup("online-unpriced-2", base)
+    _, p8 = arm_setup("online-unpriced", base)
+    steps = p2.cotrain.scheduler.draft_steps
+    assert mode == "online" and p2.cotrain.max_draft_steps == 2 and p8.cotrain.max_draft_steps == 8
+    assert steps.rule == "fixed" and steps.max_share is None and p2.cotrain.online == base.cotrain.online
+    for bad in ("online-unpriced-0", "online-unpriced-x", "online-unpriced-1000", "online-unpriced-02"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            arm_setup(bad, base)
+    (tmp_path / "embedded" / "online-unpriced-2").mkdir(parents=True)
+    (tmp_path / "embedded" / "online-unpriced-2" / RUN_FILE).write_text("{}")
+    clear_unfinished(tmp_path, "embedded", ("off", "online-unpriced-2"), log=lambda *a: None)
+    assert not (tmp_path / "embedded" / "online-unpriced-2").exists()
+
+
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
     (tmp_path / "embedded" / "off").mkdir(parents=True)
     (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")
@@ -178,12 +200,18 @@ def test_the_table_has_a_legend():
 
     rows = {"off": [row(i) for i in range(3)],
             "online": [row(i, **{"train/draft_steps": 2, "sched/draft_credit_s": 0.1, "sched/spec_saving_s": 0.25,
-                                 "rollout/spec_run_choice": 1, "rollout/spec_run_speedup": None}) for i in range(3)],
+                                 "rollout/spec_run_choice": 1, "rollout/spec_run_speedup": None,
+                                 "perf/draft_train_s": 0.3, "perf/draft_heldout_s": 0.05, "perf/draft_sync_s": 0.04,
+                                 "perf/feature_capture_s": 0.01}) for i in range(3)],
             "online-unpriced": [row(i, **{"train/draft_steps": 3, "sched/draft_credit_s": None,
                                           "sched/draft_steps_budget": 3}) for i in range(3)]}
     s = summarize(rows, [(0, 3)], warmup=1)
     assert s["arms"]["online"]["draft_updates"] == 4 and s["arms"]["online-unpriced"]["draft_updates"] == 6
     assert "draft_updates" not in s["arms"]["off"]
+    # where the co-training seconds of the 2 timed steps went: they add up to what the share divides
+    parts = s["arms"]["online"]["cotrain_parts_s"]
+    assert parts == pytest.approx({"updates": 0.42, "heldout": 0.1, "gate_and_swap": 0.08, "capture": 0.02})
+    assert sum(parts.values()) == pytest.approx(s["arms"]["online"]["cotrain_share_total"] * 2 * 1.0)
     lines = report({"preset": "p", "steps": 3, "segment": 3, "warmup_steps": 1, "engines": {"embedded": s}})
     text = "\n".join(lines)
     assert sum("legend:" in x for x in lines) == 1 and "above 1 the arm is faster than off" in text
@@ -192,6 +220,8 @@ def test_the_table_has_a_legend():
     assert ("draft updates over the timed steps: online 4 (priced: bought with the rollout time speculation saves, "
             "0.250s saved per rollout (median)); online-unpriced 6 (not priced: the count rule, 3 per step (median))"
             in text)
+    assert ("co-training seconds over the timed steps: online 0.62s: updates 0.42s (0.105s each), held-out "
+            "measurement 0.10s, gate and swap 0.08s, feature capture 0.02s; online-unpriced 0.00s" in text)
     assert "the estimate was sure: every timed speculating rollout was estimated" in text
     first = next(i for i, x in enumerate(lines) if "legend:" in x)
     assert first > max(i for i, x in enumerate(lines) if x.startswith("  online-unpriced"))  # under the table

@@ -263,16 +263,38 @@ def test_the_loss_comparison_trains_both_objectives_on_the_same_data_and_measure
     unknown arm is refused."""
     from experiments.loss_compare import ARMS, compare, main
 
-    r = compare("arith", "ci", tmp_path / "l", seed=0, rl_steps=1, updates=2, cache_dir=sft_policy[3],
-                log=lambda *a: None)
+    r = compare("arith", "ci", tmp_path / "l", seed=0, rl_steps=1, updates=5, arms=tuple(ARMS), on_policy=True,
+                cache_dir=sft_policy[3], log=lambda *a: None)
     assert set(r["arms"]) == {"start", *ARMS} and r["same_tokens"] is True
     assert r["arms"]["ce-bf16"]["loss_last"] != r["arms"]["ce"]["loss_last"]  # the precision arm did differ
     assert r["train_records"] > 0 and r["heldout_records"] > 0
     for m in r["arms"].values():
         assert 1.0 <= m["heldout_expected_accept_length"] <= 1 + r["gamma"]
         assert 1.0 <= m["measured_accept_length"] <= 1 + r["gamma"]
+    ce, lr, batch = r["arms"]["ce"], r["arms"]["lr-x4"], r["arms"]["batch-x2"]
+    assert lr["lr"] == 4 * ce["lr"] and batch["batch_size"] == 2 * ce["batch_size"] and lr["loss_last"] != ce["loss_last"]
+    # the curve: the starting draft at 0 s, then after 4 and 5 updates, its last point the arm's final draft
+    assert [p["step"] for p in ce["curve"]] == [0, 4, 5] and ce["curve"][0]["seconds"] == 0.0
+    assert ce["curve"][1]["seconds"] < ce["curve"][2]["seconds"]
+    assert ce["curve"][-1]["heldout"] == pytest.approx(ce["heldout_expected_accept_length"])
+    assert [p["heldout"] for p in ce["heldout_at_ce_seconds"]] == pytest.approx([p["heldout"] for p in ce["curve"][1:]])
+    assert [p["step"] for p in lr["heldout_at_ce_seconds"]] == [4, 5]  # every arm read at ce's seconds
+    start = r["arms"]["start"]["heldout_expected_accept_length"]
+    for p, q in zip(lr["heldout_at_ce_seconds"], ce["heldout_at_ce_seconds"]):
+        if p["heldout"] is not None and q["heldout"] > start:  # the arm's gain over the start, over ce's
+            assert p["gain_over_ce"] == pytest.approx((p["heldout"] - start) / (q["heldout"] - start))
     assert main(["--preset", "ci", "--out", str(tmp_path / "l")]) == 2  # summary.json is there: refused
     assert main(["--preset", "ci", "--arms", "ce,fp8", "--out", str(tmp_path / "m")]) == 2
+
+
+def test_an_arm_is_read_at_the_seconds_of_another_between_its_measured_points():
+    """loss_compare.read_at: linear between the curve's points, exact at them, None past the last."""
+    from experiments.loss_compare import curve_points, read_at
+
+    curve = [{"seconds": 0.0, "heldout": 4.0}, {"seconds": 1.0, "heldout": 5.0}, {"seconds": 3.0, "heldout": 4.0}]
+    assert read_at(curve, 0.5) == pytest.approx(4.5) and read_at(curve, 2.0) == pytest.approx(4.5)
+    assert read_at(curve, 1.0) == pytest.approx(5.0) and read_at(curve, 3.5) is None
+    assert curve_points(64) == [4, 8, 16, 32, 64] and curve_points(5) == [4, 5] and curve_points(3) == [3]
 
 
 def test_the_draft_precision_comparison_trains_fp32_and_bf16_on_the_same_batches(sft_policy, tmp_path):

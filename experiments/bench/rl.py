@@ -10,6 +10,8 @@ rotating from segment to segment, all in one process:
   online-unpriced  online with the cap of draft updates every step (presets.unbudgeted), where
                 the RL presets buy updates by their held-out gain (presets.cotrained): the cost
                 of following the policy whatever it buys
+  online-unpriced-N  the same with N draft updates every step (N >= 1): points between the budget's
+                and the cap's on the acceptance a share of the step buys
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import statistics
 from pathlib import Path
@@ -77,6 +80,7 @@ from specrl.run_dir import RUN_FILE, RunDirError
 ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "history", "hybrid",
         "history-sib", "history-past", "hybrid-tree")
 DEFAULT_ARMS = ("off", "frozen", "online")
+UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
 # a step row's parts (seconds), in the order of the plot's stacked bars
 PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
@@ -87,10 +91,18 @@ MACHINE_FILE = "machine.json"  # the machine and code of a run, written at its s
 SAME = ("pg_loss", "kl_ref", "reward", "response_len")  # what coupled sampling and lossless speculation keep identical across arms
 
 
+def known_arm(arm: str) -> bool:
+    return arm in ARMS or UNPRICED_N.fullmatch(arm) is not None
+
+
 def arm_setup(arm: str, preset):
     """(--spec mode, preset) of an arm."""
-    if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}")
+    if not known_arm(arm):
+        raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, online-unpriced-N (N draft updates "
+                         f"every step, 1 to 999)")
+    if m := UNPRICED_N.fullmatch(arm):
+        cotrain = dataclasses.replace(preset.cotrain, max_draft_steps=int(m.group(1)))
+        return "online", dataclasses.replace(preset, cotrain=unbudgeted(cotrain))
     mode = arm.split("-")[0]
     if mode in ("history", "hybrid"):
         history = preset.cotrain.history
@@ -260,7 +272,8 @@ def clear_unfinished(out: Path, engine: str, arms, log=print) -> None:
     folder = out / engine
     if not folder.is_dir():
         return
-    stale = [folder / a for a in ARMS
+    names = [*ARMS, *sorted(p.name for p in folder.iterdir() if UNPRICED_N.fullmatch(p.name))]
+    stale = [folder / a for a in names
              if (folder / a).is_dir() and not (folder / a).is_symlink() and (folder / a / RUN_FILE).is_file()]
     for a in arms:
         p = folder / a
@@ -284,6 +297,18 @@ def _end_over_start(curve: list[float], k: int = 3) -> float | None:
     if len(curve) < 2 * k:
         return None
     return (sum(curve[-k:]) / k) / (sum(curve[:k]) / k)
+
+
+def cotrain_parts(rows: list[dict]) -> dict:
+    """Where an arm's co-training seconds went, summed over `rows` (its timed steps): "updates" (the
+    scheduler's windows less the swaps: the draft updates and their bookkeeping), "heldout" (the
+    serving draft measured on each step's new held-out answers), "gate_and_swap" (each candidate
+    measured on them, then pushed into the engine), "capture" (features stored in the trainer's
+    forward). They add up to the co-training seconds `cotrain_share_total` divides."""
+    total = lambda key: sum(r.get(key) or 0.0 for r in rows)  # noqa: E731
+    heldout, swap = total("perf/draft_heldout_s"), total("perf/draft_sync_s")
+    return {"updates": total("perf/draft_train_s") - heldout - swap, "heldout": heldout, "gate_and_swap": swap,
+            "capture": total("perf/feature_capture_s")}
 
 
 def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens: int = 0) -> dict:
@@ -336,6 +361,7 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
         if any("train/draft_steps" in r for r in rs):  # an arm that trains its draft: what its budget bought, and why
             m["draft_updates"] = sum(r.get("train/draft_steps") or 0 for r in rs)
+            m["cotrain_parts_s"] = cotrain_parts(rs)
             m["draft_budget"] = {"valued": any("sched/value_training" in r for r in rs),
                                  "heldout_saving_s": _median(r.get("sched/heldout_saving_s") for r in rs),
                                  "priced": any(r.get("sched/draft_credit_s") is not None for r in rs),
@@ -418,7 +444,7 @@ def legend(summary: dict) -> list[str]:
              "    cotrain: feature capture plus draft training, as a share of the step (median); spec steps: the "
              "share of engine steps that verified a draft, the rest decoded plainly (the controller's or the run "
              "choice's call); accept: median tokens emitted per verify step (accepted drafts plus the target's own)"]
-    updates = []
+    updates, costs = [], []
     for engine, s in summary["engines"].items():
         for a, m in s["arms"].items():
             if "draft_updates" not in m:
@@ -436,9 +462,17 @@ def legend(summary: dict) -> list[str]:
                                                       if b.get("granted_per_step") is not None else "")
             name = f"{engine} {a}" if len(summary["engines"]) > 1 else a
             updates.append(f"{name} {m['draft_updates']} ({why})")
+            if parts := m.get("cotrain_parts_s"):
+                n = m["draft_updates"]
+                costs.append(f"{name} {sum(parts.values()):.2f}s: updates {parts['updates']:.2f}s"
+                             + (f" ({parts['updates'] / n:.3f}s each)" if n else "")
+                             + f", held-out measurement {parts['heldout']:.2f}s, gate and swap "
+                             f"{parts['gate_and_swap']:.2f}s, feature capture {parts['capture']:.2f}s")
     if updates:
         lines.append("    draft updates over the timed steps: " + "; ".join(updates)
                      + "; an arm not listed trains no draft")
+    if costs:
+        lines.append("    co-training seconds over the timed steps: " + "; ".join(costs))
     choices = [m.get("run_choice") or {} for s in summary["engines"].values() for m in s["arms"].values()]
     if any(c.get("speculate") is not None and c.get("speedup") is None for c in choices):  # a "not timed" line above
         lines.append("    the estimate was sure: every timed speculating rollout was estimated, from the controller's "
