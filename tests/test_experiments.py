@@ -287,6 +287,24 @@ def test_the_loss_comparison_trains_both_objectives_on_the_same_data_and_measure
     assert main(["--preset", "ci", "--arms", "ce,fp8", "--out", str(tmp_path / "m")]) == 2
 
 
+def test_the_near_tie_replay_recomputes_the_tokens_the_run_decoded(sft_policy, tmp_path):
+    """experiments.near_ties on the CI preset: one step replayed with speculation off, then every
+    answer's tokens are the argmax of the recomputed perturbed scores (the noise keyed as the run
+    keys it), the gaps are margins (>= 0); bad input and a used folder exit with code 2."""
+    from experiments.near_ties import main, near_ties
+
+    r = near_ties("ci", tmp_path / "n", seed=0, step=1, answers=(0, 3), cache_dir=sft_policy[3], log=lambda *a: None)
+    assert r["agree"] is True and r["tokens"] > 0 and set(r["answers"]) == {"0", "3"}
+    assert all(g >= 0 for g in r["smallest_gaps"]) and r["smallest_gaps"] == sorted(r["smallest_gaps"])
+    assert all(a["agree"] and 0 < a["tokens"] <= r["tokens"] for a in r["answers"].values())
+    assert r["smallest_gap"] == r["smallest_gaps"][0] <= r["second_smallest_gap"]
+    assert all(a["smallest_gap"] == a["smallest"][0][1] >= r["smallest_gap"] for a in r["answers"].values())
+    assert main(["--preset", "ci", "--step", "1", "--out", str(tmp_path / "n")]) == 2  # summary.json is there
+    assert main(["--preset", "ci", "--step", "1", "--answer", "16", "--out", str(tmp_path / "m")]) == 2
+    assert main(["--preset", "ci", "--step", "-1", "--out", str(tmp_path / "m")]) == 2
+    assert not (tmp_path / "m").exists()
+
+
 def test_an_arm_is_read_at_the_seconds_of_another_between_its_measured_points():
     """loss_compare.read_at: linear between the curve's points, exact at them, None past the last."""
     from experiments.loss_compare import curve_points, read_at
