@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import machine_info  # at import: it records the code this process started with
+from experiments.bench.common import write_summary  # at import: it records the code this process started with
 
 DTYPES = ("fp32", "bf16")
 
@@ -89,10 +88,7 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, answers: int
                                      / (fp32["heldout_expected_accept_length"] - result["start"])
                                      if fp32["heldout_expected_accept_length"] != result["start"] else None)
     result["bf16_speedup"] = fp32["update_s_median"] / bf16["update_s_median"]
-    result["machine"] = machine_info()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(result, indent=1))
-    return result
+    return write_summary(out, result)
 
 
 def main(argv=None) -> int:

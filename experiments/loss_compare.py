@@ -46,14 +46,13 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import statistics
 import sys
 from pathlib import Path
 
 import torch
 
-from experiments.bench.common import machine_info  # at import: it records the code this process started with
+from experiments.bench.common import write_summary  # at import: it records the code this process started with
 
 # arm -> its OnlineDraftConfig fields over the preset's; "lr_scale" and "batch_scale" multiply the
 # preset's learning rate and records per update
@@ -181,10 +180,7 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: in
             + (" ; at the seconds of ce's " + "/".join(str(p) for p in points) + " updates: "
                + " ".join("-" if p["heldout"] is None else f"{p['heldout']:.3f}" for p in m["heldout_at_ce_seconds"])
                if "heldout_at_ce_seconds" in m else ""))
-    result["machine"] = machine_info()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(result, indent=1))
-    return result
+    return write_summary(out, result)
 
 
 def main(argv=None) -> int:

@@ -22,13 +22,12 @@ step's tokens the smallest gaps and the share below 1e-4 (the scalars `smallest_
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 
-from experiments.bench.common import machine_info  # at import: it records the code this process started with
+from experiments.bench.common import write_summary  # at import: it records the code this process started with
 
 
 def token_gaps(policy, prompt, answer, ids_key: int, seed: int, temperature: float):
@@ -87,10 +86,7 @@ def near_ties(preset_name: str, out_dir, *, seed: int, step: int, answers=(), ca
               "agree": agree}
     log(f"[near ties] step {step}: {len(every)} answer tokens, smallest gaps "
         + ", ".join(f"{g:.3g}" for g in every[:3]) + f"; replay agrees with its own tokens: {agree}")
-    result["machine"] = machine_info()  # the margins are this CPU's kernels' arithmetic
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(result, indent=1))
-    return result
+    return write_summary(out, result)
 
 
 def main(argv=None) -> int:

@@ -197,15 +197,20 @@ def significant(v: float, digits: int = 6) -> float:
     return float(f"{v:.{digits}g}")
 
 
-def save_summary(out_dir, summary: dict) -> dict:
-    """`summary` with its rows' floats to 6 significant digits and the machine, as DIR/summary.json."""
-    summary["rows"] = [{k: (significant(v) if isinstance(v, float) else v) for k, v in r.items()}
-                       for r in summary["rows"]]
+def write_summary(out_dir, summary: dict) -> dict:
+    """`summary` with the machine, as DIR/summary.json (DIR made if missing)."""
     summary["machine"] = machine_info()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def save_summary(out_dir, summary: dict) -> dict:
+    """`summary` with its rows' floats to 6 significant digits and the machine, as DIR/summary.json."""
+    summary["rows"] = [{k: (significant(v) if isinstance(v, float) else v) for k, v in r.items()}
+                       for r in summary["rows"]]
+    return write_summary(out_dir, summary)
 
 
 class Grouped:
