@@ -389,6 +389,15 @@ class CoTrainConfig:
     step), measuring it is worth little: it only watches for a fall that would restart training or
     a rise that would re-time speculation. It then runs every k-th step, k the smallest that keeps
     the last measurement's seconds within this share of the RL step (1.0: every step)."""
+    train_every: int = 1
+    """Draft updates run at every Nth RL step's boundary only (steps 0, N, 2N, ...), as one burst that
+    is gated and swapped once: the updates the budget grants the steps in between join that burst
+    (the budget's hard cap still bounds it over its window), the burst samples the policy versions
+    since the last one (at least `recent_versions` of them), and the serving draft is measured on
+    held-out sequences at those boundaries only. The held-out measurement and the gate cost about
+    half an update each time they run; at N > 1 they are paid once per N steps, so the same share of
+    the step buys more updates, each served up to N - 1 steps later (the field trains its drafters
+    every 5 to 10 RL steps). Sequential scheduler mode only."""
     gate_tolerance: float = 0.0
     """Swap gate: a trained draft replaces the serving one only if its held-out expected accept
     length is at least (1 - gate_tolerance) times the serving draft's, measured on the same
@@ -413,6 +422,11 @@ class CoTrainConfig:
             raise ValueError(f"CoTrainConfig.heldout_idle_share must be in (0, 1], got {self.heldout_idle_share}")
         if not 0.0 <= self.gate_tolerance < 1.0:
             raise ValueError(f"CoTrainConfig.gate_tolerance must be in [0, 1), got {self.gate_tolerance}")
+        if self.train_every < 1:
+            raise ValueError(f"CoTrainConfig.train_every must be >= 1, got {self.train_every}")
+        if self.train_every > 1 and self.scheduler.mode != "sequential":
+            raise ValueError(f"CoTrainConfig.train_every={self.train_every} trains in bursts at step boundaries: it needs "
+                             f"scheduler.mode='sequential', got {self.scheduler.mode!r}")
         for name in ("max_draft_steps", "recent_versions", "heldout_every", "heldout_records"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CoTrainConfig.{name} must be >= 0, got {getattr(self, name)}")

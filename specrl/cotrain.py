@@ -124,6 +124,8 @@ class SpecCoTrainer:
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self._draft_steps_this_rl_step = 0
         self._burst_s, self._granted = 0.0, None
+        self._trains_now = True  # this RL step's boundary runs draft updates (CoTrainConfig.train_every)
+        self._owed = 0  # updates the budget granted the steps since the last burst (they join the next)
         self._overlap = (OverlappedBursts(self.draft_trainer, cfg.scheduler.overlap_threads)
                          if self.draft_trainer is not None and cfg.scheduler.mode == "overlap" else None)
         self._burst: dict | None = None  # an overlapped burst collected but not yet reported
@@ -250,6 +252,7 @@ class SpecCoTrainer:
         self._heldout_s = 0.0
         self._gate_step = {}
         self._recheck = None
+        self._trains_now = self.policy_version % self.config.train_every == 0
 
     def on_rollout(self, trajectories) -> dict:
         """Acceptance statistics of a rollout batch, and the rollout's figures (a Rollout's
@@ -331,7 +334,10 @@ class SpecCoTrainer:
         self.policy_version += 1
         self.budget.observe_kl(kl)
         t0 = time.perf_counter()
-        self._measure_serving()  # outside the scheduler's windows: it never starves the updates
+        if self._trains_now or self.draft_trainer is None:
+            self._measure_serving()  # outside the scheduler's windows: it never starves the updates
+        else:  # between bursts (train_every): the serving draft is measured when it is next gated
+            self.heldout = None
         self._heldout_s = time.perf_counter() - t0
         # what this step's co-training has spent before its updates: the hard cap counts it
         self.budget.spent_now = self.buffer.capture_seconds - self._capture_s0 + self._heldout_s
@@ -340,8 +346,11 @@ class SpecCoTrainer:
             t0 = time.perf_counter()
             self._overlap_boundary()
             self.scheduler.charge("between", time.perf_counter() - t0)
-        elif train and self.draft_trainer is not None:
+        elif train and self.draft_trainer is not None and self._trains_now:
             self.scheduler.run_window("between", self._train_burst)
+            self._owed = 0
+        elif train and self.draft_trainer is not None:  # between bursts: this step's grant joins the next burst
+            self._owed += self.budget.steps(self.config.max_draft_steps)
         self._follow_draft()  # again with the draft that serves now
         step_s = time.perf_counter() - self._t_step
         self._idle_measure = (self._idle_measure[0], step_s, self._idle_measure[2])
@@ -539,9 +548,9 @@ class SpecCoTrainer:
         budget (skipped, reported in the metrics). The count is the cap, or what the
         acceptance-driven rule grants from the rollouts observed so far (so the tail window goes by
         the previous step's rollout)."""
-        if len(self.buffer) < self.config.min_buffer_records:
+        if len(self.buffer) < self.config.min_buffer_records or not self._trains_now:
             return None
-        left = self.budget.steps(self.config.max_draft_steps) - spent
+        left = self.budget.steps(self.config.max_draft_steps, self._owed) - spent
         steps = left if max_steps is None else min(left, max_steps)
         if steps <= 0:
             return None
@@ -570,8 +579,9 @@ class SpecCoTrainer:
         return time.perf_counter() - t0
 
     def min_train_version(self) -> int | None:
-        """Oldest policy version the draft may train on (config.recent_versions; None: all)."""
-        recent = self.config.recent_versions
+        """Oldest policy version the draft may train on (config.recent_versions, and at least the
+        versions since the last burst; None: all)."""
+        recent = self.config.recent_versions and max(self.config.recent_versions, self.config.train_every)
         return max(0, self.policy_version - recent) if recent else None
 
     def _record_burst(self, result: dict) -> None:
@@ -681,7 +691,8 @@ class SpecCoTrainer:
                 "controller": self.controller.state_dict() if self.controller is not None else None,
                 "run_choice": self.run_choice.state_dict() if self.run_choice is not None else None,
                 "generator": self.generator.get_state(), "faults": self.faults, "budget": self.budget.state_dict(),
-                "gate": dict(self._gate), "choice_heldout": self._choice_heldout, "choice_seen": self._choice_seen}
+                "gate": dict(self._gate), "choice_heldout": self._choice_heldout, "choice_seen": self._choice_seen,
+                "owed": self._owed}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("mode") != self.config.mode:
@@ -707,6 +718,7 @@ class SpecCoTrainer:
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it
         self._gate = dict(state.get("gate", self._gate))
         self._choice_heldout, self._choice_seen = state.get("choice_heldout"), state.get("choice_seen")
+        self._owed = int(state.get("owed", 0))
         if self._serving is not None:  # the gate's yardstick: the draft the engine serves
             copy_draft_weights(self._serving, self.engine.draft_weights()[0])
         self._serving_value, self._serving_sums = (None, None), {}

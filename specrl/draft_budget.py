@@ -264,12 +264,20 @@ class DraftBudget:
             return 0.0
         return max(0.0, (self.best - self.ema) / self.best - self.config.tolerance)
 
-    def steps(self, cap: int) -> int:
-        """Draft updates this RL step may run (at most `cap`)."""
-        c = self.config
+    def steps(self, cap: int, owed: int = 0) -> int:
+        """Draft updates this RL step may run: the rule's count (at most `cap`) plus `owed`, the
+        counts granted to the steps since the last burst (CoTrainConfig.train_every), the whole
+        within the hard cap."""
         share = self._share_cap()
-        if share is not None:
-            cap = min(cap, share)
+        n = self._rule_steps(cap if share is None else min(cap, share)) + max(0, owed)
+        paid = None if self.config.rule == "value" else self.affordable()
+        for bound in (share, paid):
+            n = n if bound is None else min(n, bound)
+        return n
+
+    def _rule_steps(self, cap: int) -> int:
+        """The rule's count for one step, at most `cap` (the hard cap and pricing not applied)."""
+        c = self.config
         if c.rule == "value":
             return max(0, self._value_steps(cap))
         if c.rule == "fixed":
@@ -281,9 +289,7 @@ class DraftBudget:
         else:
             n = (c.base_steps + math.ceil(c.deficit_gain * self.deficit()) + math.ceil(c.kl_gain * self.kl)
                  + (c.falling_steps if self.falling else 0))
-        n = max(0, min(cap, max(c.min_steps, n)))
-        paid = self.affordable()
-        return n if paid is None else min(n, paid)
+        return max(0, min(cap, max(c.min_steps, n)))
 
     def metrics(self, cap: int) -> dict:
         m = {} if self.config.rule != "value" else {

@@ -182,6 +182,25 @@ def test_an_unpriced_arm_takes_its_count_of_updates_from_its_name(tmp_path):
     assert not (tmp_path / "embedded" / "online-unpriced-2").exists()
 
 
+def test_an_every_n_arm_is_the_budgeted_online_arm_training_in_bursts(tmp_path):
+    """online-every-N: the preset's co-training (its value budget and hard cap) with
+    train_every=N; N outside 1-99 is no arm; its unfinished folder is cleared like any arm's."""
+    from experiments.bench.rl import arm_setup, clear_unfinished
+    from specrl.presets import get_preset
+
+    base = get_preset("speed-drift")
+    mode, p4 = arm_setup("online-every-4", base)
+    assert mode == "online" and p4.cotrain.train_every == 4 and base.cotrain.train_every == 1
+    assert p4.cotrain.scheduler == base.cotrain.scheduler and p4.cotrain.max_draft_steps == base.cotrain.max_draft_steps
+    for bad in ("online-every-0", "online-every-100", "online-every-04", "online-every-"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            arm_setup(bad, base)
+    (tmp_path / "embedded" / "online-every-4").mkdir(parents=True)
+    (tmp_path / "embedded" / "online-every-4" / RUN_FILE).write_text("{}")
+    clear_unfinished(tmp_path, "embedded", ("off", "online-every-4"), log=lambda *a: None)
+    assert not (tmp_path / "embedded" / "online-every-4").exists()
+
+
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
     (tmp_path / "embedded" / "off").mkdir(parents=True)
     (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")

@@ -475,6 +475,46 @@ def test_the_serving_draft_is_measured_once_per_held_out_sequence_and_again_afte
     assert cot._serving_heldout() == cot.heldout and measured == [6]
 
 
+def test_train_every_runs_one_gated_burst_every_n_steps_with_the_updates_owed_in_between(tiny_model, monkeypatch):
+    """train_every=3: the boundaries of steps 0, 3 and 6 train, each in one burst that is gated and
+    pushed once; a burst runs its own step's count plus those granted to the two steps before it,
+    on the policy versions since the last burst; the serving draft is measured at those boundaries
+    only (None in between)."""
+    import torch
+
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=2,
+                                     train_every=3, recent_versions=1)
+    bursts, measured = [], []
+
+    def train_for(buffer, steps, remaining_s, generator, min_version=None, batch_size=None):
+        bursts.append((cot.policy_version, steps, min_version))
+        cot.draft_trainer.version += 1
+        return {"steps": steps, "seconds": 0.01}
+
+    def heldout(draft, sums=None):
+        measured.append(cot.policy_version)
+        return 2.0
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", train_for)
+    monkeypatch.setattr(cot, "_heldout_value", heldout)
+    gen = torch.Generator().manual_seed(1)
+    curve = []
+    for _ in range(7):
+        cot.begin_step()
+        ids = torch.randint(3, 64, (4, 16), generator=gen)  # new answers, 2 of them held out, every step
+        mask = torch.zeros(4, 16, dtype=torch.bool)
+        mask[:, 6:] = True
+        cot.test_capture(ids, tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids), mask)
+        curve.append(cot.end_step()["sched/heldout_accept_length"])
+    # (policy version at the boundary, updates, oldest version sampled): step s's boundary is version s + 1
+    assert bursts == [(1, 2, 0), (4, 6, 1), (7, 6, 4)], bursts
+    assert len(engine.pushed) == 3
+    assert [c is not None for c in curve] == [True, False, False] * 2 + [True]
+    assert sorted(set(measured)) == [1, 4, 7]
+
+
 def test_a_warmup_probe_is_read_as_the_gain_of_full_rate_updates(tiny_model, monkeypatch):
     """A probe of 2 updates in a 10-update warm-up runs at a tenth and a fifth of the learning rate:
     the held-out gain it shows is that of 0.3 full-rate updates, and the budget extrapolates the

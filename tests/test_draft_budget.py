@@ -331,3 +331,18 @@ def test_the_hard_cap_keeps_cotraining_under_its_share_of_the_step_over_the_wind
     for _ in range(9):
         b.observe_step(10.0, 0.6)  # already 6%: nothing this step
     assert b.steps(8) == 0
+
+
+def test_a_burst_adds_the_counts_owed_to_the_steps_before_it_within_the_hard_cap():
+    """CoTrainConfig.train_every: the counts granted to the steps between bursts join the burst,
+    and the window's hard cap bounds the whole burst, owed updates included."""
+    b = _valued(max_share=0.05, share_window=10)
+    b.observe_heldout(2.0)
+    b.spend(1.0, 2)
+    b.observe_gain(0.2, 2)
+    for _ in range(9):
+        b.observe_step(10.0, 0.0)  # steps between bursts spend nothing
+    # (0.05 * (90 + 10) - 0) / 0.95 = 5.26 s: 10 updates of 0.5 s
+    assert b.steps(2) == 2 and b.steps(2, owed=4) == 6 and b.steps(2, owed=9) == 10
+    b.config.max_share = None
+    assert b.steps(2, owed=9) == 11

@@ -12,6 +12,9 @@ rotating from segment to segment, all in one process:
                 of following the policy whatever it buys
   online-unpriced-N  the same with N draft updates every step (N >= 1): points between the budget's
                 and the cap's on the acceptance a share of the step buys
+  online-every-N  online with its updates in one burst every N steps (CoTrainConfig.train_every):
+                the gate and the held-out measurement paid once per burst; its held-out curve
+                holds values at the burst steps only
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -43,8 +46,9 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
   accept_length_curve      the accept length of every step, warm-up included
   accept_length_heldout_curve  the serving draft's expected accept length on held-out answers of
                            every step, whether or not speculation served it; heldout_end_over_start:
-                           its mean over the last 3 steps over the first 3 (steps where an idle
-                           draft was not measured, CoTrainConfig.heldout_idle_share, hold None)
+                           its mean over the last 3 measured steps over the first 3 (steps where
+                           the draft was not measured, CoTrainConfig.heldout_idle_share or
+                           train_every, hold None)
   kl_from_start_curve      with a preset that keeps its start as the reference (kl_from_start): the
                            policy's KL from its start on every step's rollout
   cotrain_share            median over steps of (feature capture + draft training) / step_s;
@@ -81,6 +85,7 @@ ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fi
         "history-sib", "history-past", "hybrid-tree")
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
+EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
 # a step row's parts (seconds), in the order of the plot's stacked bars
 PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
@@ -92,17 +97,20 @@ SAME = ("pg_loss", "kl_ref", "reward", "response_len")  # what coupled sampling 
 
 
 def known_arm(arm: str) -> bool:
-    return arm in ARMS or UNPRICED_N.fullmatch(arm) is not None
+    return arm in ARMS or any(p.fullmatch(arm) is not None for p in (UNPRICED_N, EVERY_N))
 
 
 def arm_setup(arm: str, preset):
     """(--spec mode, preset) of an arm."""
     if not known_arm(arm):
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, online-unpriced-N (N draft updates "
-                         f"every step, 1 to 999)")
+                         f"every step, 1 to 999), online-every-N (the budget's updates in one burst every N steps, 1 to 99)")
     if m := UNPRICED_N.fullmatch(arm):
         cotrain = dataclasses.replace(preset.cotrain, max_draft_steps=int(m.group(1)))
         return "online", dataclasses.replace(preset, cotrain=unbudgeted(cotrain))
+    if m := EVERY_N.fullmatch(arm):
+        return "online", dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain,
+                                                                                 train_every=int(m.group(1))))
     mode = arm.split("-")[0]
     if mode in ("history", "hybrid"):
         history = preset.cotrain.history
@@ -272,7 +280,7 @@ def clear_unfinished(out: Path, engine: str, arms, log=print) -> None:
     folder = out / engine
     if not folder.is_dir():
         return
-    names = [*ARMS, *sorted(p.name for p in folder.iterdir() if UNPRICED_N.fullmatch(p.name))]
+    names = [*ARMS, *sorted(p.name for p in folder.iterdir() if UNPRICED_N.fullmatch(p.name) or EVERY_N.fullmatch(p.name))]
     stale = [folder / a for a in names
              if (folder / a).is_dir() and not (folder / a).is_symlink() and (folder / a / RUN_FILE).is_file()]
     for a in arms:
