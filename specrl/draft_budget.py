@@ -64,7 +64,9 @@ is unknown.
 
 The hard cap (`max_share`, with any rule): draft training, held-out measurement and feature
 capture take at most max_share of the wall time over any `share_window` steps (`observe_step`):
-a step gets at most the updates whose measured seconds keep the window's share under it.
+a step gets at most the updates whose measured seconds keep the window's share under it. With
+bursts every N steps (CoTrainConfig.train_every), the counts granted to the steps in between are
+owed to the next burst (`steps(cap, owed)`), and the cap bounds the burst as a whole.
 
 The collapse alarm watches every rollout that speculated, whatever the rule: an accept length
 at or below `collapse_accept_length` for `collapse_patience` rollouts in a row means the draft

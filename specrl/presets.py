@@ -52,6 +52,10 @@ COTRAIN_MAX_SHARE = 0.05
 # while the held-out gain they buy, valued in rollout seconds over the next 10 rollouts, exceeds
 # their measured cost; probes of 2 updates where the gain is unknown; the hard cap above.
 VALUE_BUDGET = DraftBudgetConfig(rule="value", base_steps=2, max_share=COTRAIN_MAX_SHARE)
+# Draft updates in one burst every this many RL steps (CoTrainConfig.train_every): the held-out
+# measurement and the gate, each about half an update, are then paid once per burst, and the same
+# cap buys more updates (docs/results.md, "Bursts every 4 steps").
+TRAIN_EVERY = 4
 
 
 def cotrained(spec: SpecConfig, compute_dtype: str = "fp32") -> CoTrainConfig:
@@ -59,11 +63,12 @@ def cotrained(spec: SpecConfig, compute_dtype: str = "fp32") -> CoTrainConfig:
     around a model's chain `spec`: adaptive speculation and the run choice, features from the
     trainer's forward (every 8th answer held out: the swap gate and the budget measure drafts on
     them), at most 8 updates of 16 sequences per RL step at the online trainer's default learning
-    rate (warmed up over PRICED_WARMUP updates), on the last two policy versions, in the window
-    after the policy update; the value budget decides how many (VALUE_BUDGET), the scheduler's time
-    budget is left wide. The draft updates in the policy update's precision (`compute_dtype`, the
+    rate (warmed up over PRICED_WARMUP updates), on the policy versions since the last burst, in the
+    window after the policy update of every TRAIN_EVERY-th step; the value budget decides how many
+    (VALUE_BUDGET), the scheduler's time budget is left wide. The draft updates in the policy update's precision (`compute_dtype`, the
     preset's GRPOConfig.compute_dtype)."""
     return CoTrainConfig(**adaptive_spec(spec), feature_source="trainer", max_draft_steps=8, recent_versions=2,
+                         train_every=TRAIN_EVERY,
                          online=OnlineDraftConfig(warmup_steps=PRICED_WARMUP, compute_dtype=compute_dtype),
                          scheduler=SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, windows=("between",),
                                                    draft_steps=VALUE_BUDGET))
@@ -125,6 +130,7 @@ COUNTED_SCHEDULER = SchedulerConfig(budget_fraction=1.0, min_budget_s=3600.0, wi
 # One update of 12 sequences per RL step, every decision fixed at the start: the CI-sized drift runs and
 # `specrl bench overlap` (the cost of one update, in both scheduler modes).
 DRIFT_COTRAIN_FIXED = reproducible(dataclasses.replace(cotrained(SpecConfig(mode="chain", gamma=6)), max_draft_steps=1,
+                                                       train_every=1,
                                                        scheduler=COUNTED_SCHEDULER,
                                                        online=OnlineDraftConfig(lr=1e-3, batch_size=12)))
 

@@ -189,9 +189,9 @@ def test_an_every_n_arm_is_the_budgeted_online_arm_training_in_bursts(tmp_path):
     from specrl.presets import get_preset
 
     base = get_preset("speed-drift")
-    mode, p4 = arm_setup("online-every-4", base)
-    assert mode == "online" and p4.cotrain.train_every == 4 and base.cotrain.train_every == 1
-    assert p4.cotrain.scheduler == base.cotrain.scheduler and p4.cotrain.max_draft_steps == base.cotrain.max_draft_steps
+    mode, p2 = arm_setup("online-every-2", base)
+    assert mode == "online" and p2.cotrain.train_every == 2 and base.cotrain.train_every != 2
+    assert p2.cotrain.scheduler == base.cotrain.scheduler and p2.cotrain.max_draft_steps == base.cotrain.max_draft_steps
     for bad in ("online-every-0", "online-every-100", "online-every-04", "online-every-"):
         with pytest.raises(ValueError, match="unknown arm"):
             arm_setup(bad, base)

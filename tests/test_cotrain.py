@@ -251,25 +251,31 @@ def test_the_wait_window_trains_one_update_at_a_time_while_the_batch_is_pending(
 
 
 def test_the_one_cotraining_configuration_measures_gates_and_buys_updates_in_an_rl_run(sft_policy, tmp_path):
-    """The RL presets' co-training (presets.cotrained, on the CI model for speed): every step
-    reports the serving draft's held-out expected accept length, every trained draft went through
-    the gate, and the value budget's count is what ran, within the cap."""
+    """The RL presets' co-training (presets.cotrained, on the CI model for speed): the steps whose
+    boundary trains (every train_every-th) report the serving draft's held-out expected accept
+    length, the others train and measure nothing; every trained draft went through the gate, and
+    the value budget's count is what ran, within the cap of the steps since the last burst."""
     import dataclasses
 
     from specrl.presets import cotrained, get_preset
 
     cotrain = get_preset("quick").cotrain
     assert cotrain == cotrained(cotrain.spec) and cotrain.scheduler.draft_steps.rule == "value"
+    every = cotrain.train_every
+    assert every > 1
     preset = dataclasses.replace(get_preset("ci"), cotrain=cotrain)
-    train_rl("arith", preset, tmp_path / "r", seed=3, steps=4, cache_dir=sft_policy[3], progress=False,
+    train_rl("arith", preset, tmp_path / "r", seed=3, steps=every + 1, cache_dir=sft_policy[3], progress=False,
              spec="online", log=lambda *a: None)
     rows = _rows(tmp_path / "r")
     steps = [r["train/draft_steps"] for r in rows]
-    assert all(r["sched/heldout_accept_length"] > 1.0 for r in rows)
+    bursts = [r["step"] % every == 0 for r in rows]
+    assert [r["sched/heldout_accept_length"] is not None for r in rows] == bursts
+    assert all(r["sched/heldout_accept_length"] > 1.0 and r["perf/draft_heldout_s"] > 0
+               for r, b in zip(rows, bursts) if b)
     assert steps[0] == cotrain.scheduler.draft_steps.base_steps  # the gain is unknown: a probe
-    assert all(0 <= k <= cotrain.max_draft_steps for k in steps)
+    assert all(k == 0 for k, b in zip(steps, bursts) if not b)
+    assert all(0 <= k <= every * cotrain.max_draft_steps for k in steps)
     assert rows[-1]["train/draft_gated_total"] >= sum(k > 0 for k in steps)  # every burst was gated
-    assert all(r["perf/draft_heldout_s"] > 0 for r in rows)
 
 
 def test_adaptive_budget_reads_acceptance_at_the_configured_chain(tiny_model):
