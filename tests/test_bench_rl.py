@@ -201,6 +201,26 @@ def test_an_every_n_arm_is_the_budgeted_online_arm_training_in_bursts(tmp_path):
     assert not (tmp_path / "embedded" / "online-every-4").exists()
 
 
+def test_held_out_end_over_start_is_also_read_at_the_steps_every_arm_measured():
+    """An arm measured every 2nd step (train_every=2) and one measured every step: the matched
+    figure reads both at steps 0, 2, 4 and 8, 10, 12 (the first and last 3 common steps), where the
+    plain figure reads the every-step arm at 0-2 and 10-12; without gaps the two are equal."""
+    from experiments.bench.rl import add_matched_heldout
+
+    every = [5.0, 4.0, 4.0, 3.0, 3.0, 3.0, 3.0, 3.0, 2.0, 2.0, 2.0, 2.0, 2.0]
+    bursts = [x if i % 2 == 0 else None for i, x in enumerate([5.0, 5.0, 4.5, 4.5, 4.0, 4.0, 4.0, 4.0, 3.0, 3.0,
+                                                                3.0, 3.0, 3.0])]
+    arms = {"off": {"accept_length_heldout_curve": [None] * 13},
+            "online": {"accept_length_heldout_curve": every}, "online-every-2": {"accept_length_heldout_curve": bursts}}
+    add_matched_heldout(arms)
+    assert arms["online"]["heldout_matched_steps"] == [0, 2, 4, 6, 8, 10, 12] and "heldout_matched_steps" not in arms["off"]
+    assert arms["online"]["heldout_end_over_start_matched"] == pytest.approx(2.0 / 4.0)
+    assert arms["online-every-2"]["heldout_end_over_start_matched"] == pytest.approx(3.0 / 4.5)
+    alone = {"online": {"accept_length_heldout_curve": every}}
+    add_matched_heldout(alone)
+    assert alone["online"]["heldout_end_over_start_matched"] == pytest.approx(2.0 / ((5.0 + 4.0 + 4.0) / 3))
+
+
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
     (tmp_path / "embedded" / "off").mkdir(parents=True)
     (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")

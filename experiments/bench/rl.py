@@ -48,7 +48,8 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
                            every step, whether or not speculation served it; heldout_end_over_start:
                            its mean over the last 3 measured steps over the first 3 (steps where
                            the draft was not measured, CoTrainConfig.heldout_idle_share or
-                           train_every, hold None)
+                           train_every, hold None); heldout_end_over_start_matched: the same
+                           over the steps at which every such arm measured (heldout_matched_steps)
   kl_from_start_curve      with a preset that keeps its start as the reference (kl_from_start): the
                            policy's KL from its start on every step's rollout
   cotrain_share            median over steps of (feature capture + draft training) / step_s;
@@ -300,6 +301,23 @@ def _median(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def add_matched_heldout(arms: dict) -> None:
+    """The held-out end/start of every arm with a held-out curve, read at the same steps: those at
+    which every such arm measured its serving draft (an arm that trains every N steps measures at
+    those steps only, so its first and last 3 values lie further in than another arm's). Adds
+    `heldout_matched_steps` and, per arm, `heldout_end_over_start_matched` (equal to
+    heldout_end_over_start where every arm measured every step)."""
+    curves = {a: m["accept_length_heldout_curve"] for a, m in arms.items()
+              if any(x is not None for x in m.get("accept_length_heldout_curve", []))}
+    if not curves:
+        return
+    n = min(len(c) for c in curves.values())
+    steps = [i for i in range(n) if all(c[i] is not None for c in curves.values())]
+    for a, c in curves.items():
+        arms[a]["heldout_matched_steps"] = steps
+        arms[a]["heldout_end_over_start_matched"] = _end_over_start([c[i] for i in steps])
+
+
 def _end_over_start(curve: list[float], k: int = 3) -> float | None:
     """Mean of the last k values over the mean of the first k (None: fewer than 2k values)."""
     if len(curve) < 2 * k:
@@ -387,6 +405,7 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         for r in rs:
             by_step.setdefault(r["step"], []).append(tuple(r.get(k) for k in SAME))
     out["same_updates"] = all(len(set(v)) == 1 for v in by_step.values())
+    add_matched_heldout(out["arms"])
     out["curves"] = {k: [r.get(k) for r in rows["off"]] for k in SAME}
     out["response_lengths"] = length_distribution([n for r in rows["off"] for n in r.get("rollout/response_lens", [])],
                                                   max_new_tokens)
@@ -425,11 +444,13 @@ def report(summary: dict) -> list[str]:
         for a, m in s["arms"].items():
             held = [x for x in m.get("accept_length_heldout_curve", []) if x is not None]
             if held:
-                ratio = m.get("heldout_end_over_start")
+                ratio, matched = m.get("heldout_end_over_start"), m.get("heldout_end_over_start_matched")
                 gate = (f", {m['draft_refused']} of {m['draft_gated']} trained drafts refused by the gate"
                         if m.get("draft_gated") else "")
                 lines.append(f"  {a}: held-out expected accept length {held[0]:.2f} -> {held[-1]:.2f}"
-                             + (f" (end/start {ratio:.3f})" if ratio is not None else "") + gate)
+                             + (f" (end/start {ratio:.3f})" if ratio is not None else "")
+                             + (f" (at the steps every arm measured {matched:.3f})"
+                                if matched is not None and matched != ratio else "") + gate)
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
