@@ -281,7 +281,7 @@ def clear_unfinished(out: Path, engine: str, arms, log=print) -> None:
     folder = out / engine
     if not folder.is_dir():
         return
-    names = [*ARMS, *sorted(p.name for p in folder.iterdir() if UNPRICED_N.fullmatch(p.name) or EVERY_N.fullmatch(p.name))]
+    names = [*ARMS, *sorted(p.name for p in folder.iterdir() if known_arm(p.name) and p.name not in ARMS)]
     stale = [folder / a for a in names
              if (folder / a).is_dir() and not (folder / a).is_symlink() and (folder / a / RUN_FILE).is_file()]
     for a in arms:
