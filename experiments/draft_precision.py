@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import write_summary  # at import: it records the code this process started with
+from experiments.bench.common import exit_code, write_summary  # at import: it records the code this process started with
 
 DTYPES = ("fp32", "bf16")
 
@@ -101,17 +101,14 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=48)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from specrl.presets import PresetError, get_preset
+    from specrl.presets import get_preset
 
-    try:
-        task = a.task or get_preset(a.preset).task
+    def run():
         if a.updates < 1:
             raise ValueError(f"--updates must be >= 1, got {a.updates}")
-        compare(task, a.preset, a.out, seed=a.seed, answers=a.answers, heldout=a.heldout, updates=a.updates)
-    except (PresetError, ValueError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        compare(a.task or get_preset(a.preset).task, a.preset, a.out, seed=a.seed, answers=a.answers,
+                heldout=a.heldout, updates=a.updates)
+    return exit_code(run)
 
 
 if __name__ == "__main__":

@@ -505,6 +505,10 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         # the online draft's end speed-up over the frozen one in engine steps (module docstring);
         # the wall-clock ratio below measures it with the machine's noise on top
         "online_over_frozen_steps_end": steps_ratio,
+        # the online draft's updates over the run, and the trained drafts the swap gate measured and refused
+        "draft_updates": rl_rows[-1].get("train/draft_version") if rl_rows else None,
+        "draft_gated": rl_rows[-1].get("train/draft_gated_total") if rl_rows else None,
+        "draft_refused": rl_rows[-1].get("train/draft_refused_total") if rl_rows else None,
         # wall-clock fields (TIMING_FIELDS): not reproducible bit for bit
         "speedup_frozen_start": at(0, "frozen", "speedup"),
         "speedup_frozen_end": at(last_step, "frozen", "speedup"),
@@ -532,10 +536,11 @@ def deterministic_part(summary: dict) -> dict:
 def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = "arith", cache_dir=None,
               progress: bool = True, plots: bool = True, reference_every: int | None = None,
               engine: str = "embedded", rl_steps: int | None = None, deep_target: str | None = None,
-              device: str = "auto", log=print) -> dict:
+              train_every: int | None = None, device: str = "auto", log=print) -> dict:
     """The experiment on `engine` ("embedded" or "vllm", a key of DECODINGS). `rl_steps`
     shortens the preset's RL run (evaluation points stay every `eval_every` steps and at the end);
-    `deep_target` overrides the preset's (a model preset name, "" for none)."""
+    `deep_target` overrides the preset's (a model preset name, "" for none); `train_every` the
+    online draft's burst period (CoTrainConfig.train_every)."""
     t0 = time.perf_counter()
     preset_name = preset
     preset = preset if isinstance(preset, DriftPreset) else get_drift_preset(preset)
@@ -545,6 +550,9 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
         preset = dataclasses.replace(preset, deep_target=deep_target)  # validated by DriftPreset
     if rl_steps is not None:
         preset = dataclasses.replace(preset, rl=preset.rl.with_overrides(rl_steps=rl_steps))  # validated by RunPreset
+    if train_every is not None:  # validated by CoTrainConfig
+        cotrain = dataclasses.replace(preset.rl.cotrain, train_every=train_every)
+        preset = dataclasses.replace(preset, rl=preset.rl.with_overrides(cotrain=cotrain))
     out = Path(out_dir)
     if (out / "summary.json").exists() or (out / "rl").exists():
         raise DriftError(f"output folder {out} already holds a drift run; choose another --out")
@@ -563,7 +571,7 @@ def run_drift(preset: str | DriftPreset, out_dir, *, seed: int = 0, task: str = 
         for row in evaluator.rows:
             f.write(json.dumps(row) + "\n")
     summary = {**summarize(evaluator, rl_rows, rl_summary, seed, time.perf_counter() - t0), "engine": engine,
-               **evaluator.decoding.notes()}
+               "train_every": preset.rl.cotrain.train_every, **evaluator.decoding.notes()}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     if plots:
         from experiments.plots import drift_plots

@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import write_summary  # at import: it records the code this process started with
+from experiments.bench.common import exit_code, write_summary  # at import: it records the code this process started with
 
 # arm -> its OnlineDraftConfig fields over the preset's; "lr_scale" and "batch_scale" multiply the
 # preset's learning rate and records per update
@@ -195,18 +195,14 @@ def main(argv=None) -> int:
                     help="train on the co-trainer's recent policy versions only (CoTrainConfig.recent_versions)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from specrl.presets import PresetError, get_preset
+    from specrl.presets import get_preset
 
-    try:
-        task = a.task or get_preset(a.preset).task
+    def run():
         if a.rl_steps < 1 or a.updates < 1:
             raise ValueError(f"--rl-steps and --updates must be >= 1, got {a.rl_steps}, {a.updates}")
-        compare(task, a.preset, a.out, seed=a.seed, rl_steps=a.rl_steps, updates=a.updates,
-                arms=tuple(x for x in a.arms.split(",") if x), on_policy=a.on_policy)
-    except (PresetError, ValueError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+        compare(a.task or get_preset(a.preset).task, a.preset, a.out, seed=a.seed, rl_steps=a.rl_steps,
+                updates=a.updates, arms=tuple(x for x in a.arms.split(",") if x), on_policy=a.on_policy)
+    return exit_code(run)
 
 
 if __name__ == "__main__":

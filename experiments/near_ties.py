@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import write_summary  # at import: it records the code this process started with
+from experiments.bench.common import exit_code, write_summary  # at import: it records the code this process started with
 
 
 def token_gaps(policy, prompt, answer, ids_key: int, seed: int, temperature: float):
@@ -97,14 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--answer", type=int, action="append", default=[], help="an answer's index in the step (repeatable)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    from specrl.presets import PresetError
-
-    try:
-        near_ties(a.preset, a.out, seed=a.seed, step=a.step, answers=tuple(a.answer))
-    except (PresetError, ValueError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_code(lambda: near_ties(a.preset, a.out, seed=a.seed, step=a.step, answers=tuple(a.answer)))
 
 
 if __name__ == "__main__":

@@ -289,6 +289,9 @@ class Drift(Run):
     deep_target: str | None = flag(None, "after the run, the same speed-against-batch sweep on this model preset's "
                                          "SFT policy and offline draft, e.g. speed (a 12-layer target); '' for none "
                                          "(default: the preset's, speed for full)", metavar="PRESET")
+    train_every: int | None = flag(None, "the online draft trains in one burst every N RL steps (1: at every "
+                                         "step's boundary; default: the preset's co-training configuration)",
+                                   lo=1, hi=99, metavar="N")
     device: str = device_flag()
 
     def __post_init__(self) -> None:
@@ -302,7 +305,7 @@ class Drift(Run):
         return (self.preset, self.out), {**self._common(), "task": self.task, "progress": not self.no_progress,
                                          "reference_every": self.reference_every, "engine": self.engine,
                                          "rl_steps": self.steps, "deep_target": self.deep_target,
-                                         "device": self.device}
+                                         "train_every": self.train_every, "device": self.device}
 
 
 @dataclass(kw_only=True)
@@ -313,9 +316,10 @@ class AsyncDrift(Drift):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.engine != "embedded" or self.deep_target is not None or self.reference_every is not None:
-            raise ValueError("--async-staleness runs the embedded engine without reference or deep target; "
-                             "drop --engine, --reference-every and --deep-target")
+        if (self.engine != "embedded" or self.deep_target is not None or self.reference_every is not None
+                or self.train_every is not None):
+            raise ValueError("--async-staleness runs the embedded engine without reference, deep target or bursts; "
+                             "drop --engine, --reference-every, --deep-target and --train-every")
         if self.device != "auto" and not self.device.startswith("cpu"):
             raise ValueError("--async-staleness runs on the CPU (AReaL's loop here); drop --device")
 

@@ -50,6 +50,10 @@ def test_drift_outputs(drift_runs):
     steps = sorted({r["step"] for r in rows})
     assert steps == list(range(0, preset.rl.rl_steps + 1, preset.eval_every))
     assert preset.reference_every == 1
+    rl_rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["train_every"] == preset.rl.cotrain.train_every == 1
+    assert summary["draft_updates"] == sum(r["train/draft_steps"] for r in rl_rows) > 0
+    assert summary["draft_refused"] <= summary["draft_gated"]
     ratios = []
     for step in steps:  # every point has the four arms (reference_every=1) and the online/reference ratio
         pts = {r["arm"]: r for r in rows if r["step"] == step}
@@ -125,6 +129,17 @@ def test_drift_refuses_existing_output_and_bad_preset(drift_runs, tmp_path, caps
     assert "--reference-every must be >= 0, got -1" in capsys.readouterr().err and not (tmp_path / "y").exists()
     with pytest.raises(DriftError, match="reference_every"):  # the API's own check
         run_drift("ci", tmp_path / "z", reference_every=-1, progress=False)
+
+
+def test_drift_train_every_makes_the_online_draft_train_in_bursts(sft_policy, tmp_path, capsys):
+    quiet = dict(cache_dir=sft_policy[3], progress=False, plots=False, log=lambda *a: None)
+    summary = run_drift("ci", tmp_path / "e", seed=1, train_every=2, reference_every=0, **quiet)
+    rows = [json.loads(line) for line in (tmp_path / "e" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["train_every"] == 2
+    assert [r["step"] for r in rows if r["train/draft_steps"] > 0] == [0, 2]  # the ci preset's 4 steps
+    assert summary["draft_updates"] == sum(r["train/draft_steps"] for r in rows)
+    assert main(["drift", "--preset", "ci", "--train-every", "0", "--out", str(tmp_path / "f")]) == 2
+    assert "--train-every must be in [1, 99], got 0" in capsys.readouterr().err and not (tmp_path / "f").exists()
 
 
 def test_analysis_notebook_executes(drift_runs, tmp_path):

@@ -11,6 +11,7 @@ import datetime
 import json
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -211,6 +212,17 @@ def save_summary(out_dir, summary: dict) -> dict:
     summary["rows"] = [{k: (significant(v) if isinstance(v, float) else v) for k, v in r.items()}
                        for r in summary["rows"]]
     return write_summary(out_dir, summary)
+
+
+def exit_code(call) -> int:
+    """Runs `call()` for a module's command line: 0 when it returns; bad input (a ValueError, which
+    PresetError is, or an --out that already holds a result) is one line on stderr and 2."""
+    try:
+        call()
+    except (ValueError, FileExistsError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 class Grouped:
