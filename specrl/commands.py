@@ -511,7 +511,8 @@ class BenchRL(Run):
         ("off", "frozen", "online"),
         "comma-separated arms: off, frozen, online, online-unpriced (draft updates not priced by the rollout time "
         "speculation saves), online-unpriced-N (N updates every step), online-every-N (the budget's updates in one burst every N steps), frozen-fixed and online-fixed (the preset's chain at every step, no adaptive "
-        "controller), off-b (a second off run: the noise floor), history (drafts from the group's siblings and "
+        "controller), off-b (a second off run: the noise floor), frozen-b (a second frozen run: the noise floor of "
+        "a ratio between speculating arms), history (drafts from the group's siblings and "
         "earlier answers, no model), history-sib / history-past (siblings only / earlier answers only), hybrid "
         "(history or the online EAGLE-3 chain per row), hybrid-tree (both chains as two branches of one verified "
         "tree)", parse=_name_list)

@@ -221,6 +221,36 @@ def test_held_out_end_over_start_is_also_read_at_the_steps_every_arm_measured():
     assert alone["online"]["heldout_end_over_start_matched"] == pytest.approx(2.0 / ((5.0 + 4.0 + 4.0) / 3))
 
 
+def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_medians():
+    """frozen-b is set up as frozen is (the noise floor of a ratio between speculating arms); every
+    arm's step_over_frozen is frozen's median step over its own, total_step_over_frozen the summed
+    ratio, over the timed steps only; without a frozen arm there is none."""
+    from experiments.bench.rl import arm_setup, report
+    from specrl.presets import get_preset
+
+    base = get_preset("ci")
+    assert arm_setup("frozen-b", base) == arm_setup("frozen", base) == ("frozen", base)
+
+    def row(step, s):
+        return {"step": step, "step_s": s, "rollout_s": s / 2, "perf/update_s": 0.4}
+    times = {"off": [9.0, 4.0, 4.0, 4.0], "frozen": [9.0, 2.0, 3.0, 4.0], "frozen-b": [1.0, 2.0, 2.5, 2.5],
+             "online": [9.0, 6.0, 2.0, 4.0]}
+    rows = {a: [row(i, s) for i, s in enumerate(ts)] for a, ts in times.items()}
+    s = summarize(rows, [(0, 4)], 1)
+    arms = s["arms"]
+    assert arms["frozen"]["step_over_frozen"] == 1.0
+    assert arms["frozen-b"]["step_over_frozen"] == pytest.approx(3.0 / 2.5)
+    assert arms["online"]["step_over_frozen"] == pytest.approx(3.0 / 4.0)
+    assert arms["online"]["total_step_over_frozen"] == pytest.approx(9.0 / 12.0)  # step 0 is warm-up
+    assert arms["off"]["step_over_frozen"] == pytest.approx(3.0 / 4.0)
+    line = [x for x in report({"preset": "ci", "steps": 4, "segment": 4, "warmup_steps": 1,
+                               "engines": {"embedded": s}}) if x.startswith("  over frozen")]
+    assert line == ["  over frozen (frozen's time over the arm's; frozen-b's is the noise of such a ratio): "
+                    "frozen-b step x1.200 (every step x1.286), online step x0.750 (every step x0.750)"]
+    del rows["frozen"], rows["frozen-b"]
+    assert "step_over_frozen" not in summarize(rows, [(0, 4)], 1)["arms"]["online"]
+
+
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
     (tmp_path / "embedded" / "off").mkdir(parents=True)
     (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")

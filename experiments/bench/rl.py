@@ -19,6 +19,10 @@ rotating from segment to segment, all in one process:
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
   off-b         a second `off` run: off / off-b is the noise floor of a step-time ratio
+  frozen-b      a second `frozen` run: frozen / frozen-b is the noise floor of a ratio between two
+                speculating arms, which off-b does not show: the step controller and the run
+                choice act on measured step times, so a busy spell of the machine can change what
+                a speculating arm decodes plainly and how far it drafts
   history       drafts from the group's in-flight siblings and earlier answers to the same prompt
                 (rollout.drafters.history: no model, nothing trained), the preset's chain and controller
   hybrid        per row and step, the history draft or the online EAGLE-3 chain, whichever
@@ -42,6 +46,8 @@ the tail), reward scoring, policy update, feature capture, draft training (with 
 sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` steps):
   step_s, rollout_s, ...   medians over steps
   step_speedup             median step_s of off / of the arm (rollout_speedup: the same for rollout)
+  step_over_frozen         with a frozen arm: median step_s of frozen / of the arm (total_step_over_frozen:
+                           summed over the timed steps); frozen-b's is the noise floor of the others'
   engine_steps             median engine steps per rollout (every arm emits the same tokens)
   accept_length_curve      the accept length of every step, warm-up included
   accept_length_heldout_curve  the serving draft's expected accept length on held-out answers of
@@ -82,8 +88,8 @@ from specrl.presets import get_preset, unbudgeted
 from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
 
-ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "history", "hybrid",
-        "history-sib", "history-past", "hybrid-tree")
+ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "frozen-b", "history",
+        "hybrid", "history-sib", "history-past", "hybrid-tree")
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
@@ -356,6 +362,9 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         # every timed step counted, outliers too (an engine restart, the run choice's timed rollouts)
         m["total_step_speedup"] = sum(r["step_s"] for r in off) / sum(r["step_s"] for r in rs)
         m["rollout_speedup"] = _median(r["rollout_s"] for r in off) / m["rollout_s"]
+        if "frozen" in timed:  # against the speculating yardstick (frozen-b's: the noise of such a ratio)
+            m["step_over_frozen"] = _median(r["step_s"] for r in timed["frozen"]) / m["step_s"]
+            m["total_step_over_frozen"] = sum(r["step_s"] for r in timed["frozen"]) / sum(r["step_s"] for r in rs)
         m["rollout_share"] = _median(r["rollout_s"] / r["step_s"] for r in rs)
         m["tail_share"] = _median(r["perf/rollout_tail_s"] / r["rollout_s"] for r in rs if "perf/rollout_tail_s" in r)
         seg = []
@@ -441,6 +450,11 @@ def report(summary: dict) -> list[str]:
                          f"{m['rollout_speedup']:>10.3f}{m['cotrain_share']:>9.1%}{spec:>11}{acc:>8}"
                          f"{m['total_step_speedup']:>9.3f}  {spread}")
         lines += [f"  {a}: {describe(m['run_choice'])}" for a, m in s["arms"].items() if m.get("run_choice")]
+        over = [(a, m) for a, m in s["arms"].items() if a not in ("off", "frozen") and "step_over_frozen" in m]
+        if over:
+            lines.append("  over frozen (frozen's time over the arm's; frozen-b's is the noise of such a ratio): "
+                         + ", ".join(f"{a} step x{m['step_over_frozen']:.3f} (every step x{m['total_step_over_frozen']:.3f})"
+                                     for a, m in over))
         for a, m in s["arms"].items():
             held = [x for x in m.get("accept_length_heldout_curve", []) if x is not None]
             if held:
