@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import Grouped, machine_info, repeat_ratios, timed_generate_interleaved
+from experiments.bench.common import Grouped, gate_counts, machine_info, repeat_ratios, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import accept_length_ratio_interval, same_tokens, summarize_spec_stats
 from rollout.drafters import DrafterSpec, SpecConfig
@@ -507,8 +507,7 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "online_over_frozen_steps_end": steps_ratio,
         # the online draft's updates over the run, and the trained drafts the swap gate measured and refused
         "draft_updates": rl_rows[-1].get("train/draft_version") if rl_rows else None,
-        "draft_gated": rl_rows[-1].get("train/draft_gated_total") if rl_rows else None,
-        "draft_refused": rl_rows[-1].get("train/draft_refused_total") if rl_rows else None,
+        **gate_counts(rl_rows),
         # wall-clock fields (TIMING_FIELDS): not reproducible bit for bit
         "speedup_frozen_start": at(0, "frozen", "speedup"),
         "speedup_frozen_end": at(last_step, "frozen", "speedup"),

@@ -251,6 +251,17 @@ def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_med
     assert "step_over_frozen" not in summarize(rows, [(0, 4)], 1)["arms"]["online"]
 
 
+def test_gate_counts_are_the_runs_totals():
+    """The gate's counters are running totals: a run's counts are the largest any row holds, also
+    where the last row carries none (an RL step cut short); a run with no gate has None."""
+    from experiments.bench.common import gate_counts
+
+    rows = [{"train/draft_gated_total": 1, "train/draft_refused_total": 0},
+            {"train/draft_gated_total": 3, "train/draft_refused_total": 1}, {"step": 2}]
+    assert gate_counts(rows) == {"draft_gated": 3, "draft_refused": 1}
+    assert gate_counts([{"step": 0}]) == {"draft_gated": None, "draft_refused": None}
+
+
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):
     (tmp_path / "embedded" / "off").mkdir(parents=True)
     (tmp_path / "embedded" / "off" / "data.txt").write_text("mine")

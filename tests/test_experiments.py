@@ -54,6 +54,7 @@ def test_drift_outputs(drift_runs):
     assert summary["train_every"] == preset.rl.cotrain.train_every == 1
     assert summary["draft_updates"] == sum(r["train/draft_steps"] for r in rl_rows) > 0
     assert summary["draft_refused"] <= summary["draft_gated"]
+    assert summary["draft_gated"] == max(r.get("train/draft_gated_total") or 0 for r in rl_rows)
     ratios = []
     for step in steps:  # every point has the four arms (reference_every=1) and the online/reference ratio
         pts = {r["arm"]: r for r in rows if r["step"] == step}

@@ -186,6 +186,16 @@ def length_distribution(lengths, cap: int) -> dict | None:
             "p90": q(0.9), "max": xs[-1], "mean": sum(xs) / len(xs), "at_cap": sum(x >= cap for x in xs) / len(xs)}
 
 
+def gate_counts(rows: list[dict]) -> dict:
+    """The swap gate's counts over an RL run, from its metric rows (specrl.cotrain's running totals,
+    so the largest any row holds): draft_gated, the trained drafts it measured, and draft_refused,
+    those it kept out of the engine; None each in a run whose rows hold no gate."""
+    def total(key):
+        xs = [r[key] for r in rows if r.get(key) is not None]
+        return max(xs) if xs else None
+    return {"draft_gated": total("train/draft_gated_total"), "draft_refused": total("train/draft_refused_total")}
+
+
 def model_summary(policy, draft) -> dict:
     return {"target_parameters": policy.num_parameters(), "target_layers": policy.cfg.num_layers,
             "draft_parameters": draft.num_parameters()}
