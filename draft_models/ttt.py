@@ -234,6 +234,27 @@ def mean_accept_length(sums: list[list[float]]) -> tuple[float, list[float]]:
     return total[0] / n, [x / n for x in total[1:-1]]
 
 
+def paired_gain(sums_a: list[list[float]], sums_b: list[list[float]]) -> tuple[float, float]:
+    """Draft a's expected accept length over draft b's on the same sequences (expected_accept_sums
+    of each, in the same order) -> (gain, its standard error). The gain is the difference of the
+    two mean_accept_length values; its error treats the sequences as the sampled units (a ratio
+    estimator: per sequence, a's sum less b's less gain times its rows), so sequences that share
+    a prompt (a GRPO group) make it read somewhat low. NaN gain without rows; error 0 with fewer
+    than two sequences."""
+    if len(sums_a) != len(sums_b) or any(a[-1] != b[-1] for a, b in zip(sums_a, sums_b)):
+        raise ValueError("paired_gain needs both drafts' sums on the same sequences")
+    n = sum(a[-1] for a in sums_a)
+    if not n:
+        return float("nan"), 0.0
+    d = [a[0] - b[0] for a, b in zip(sums_a, sums_b)]
+    gain = sum(d) / n
+    k = len(d)
+    if k < 2:
+        return gain, 0.0
+    var = k / (k - 1) * sum((x - gain * a[-1]) ** 2 for x, a in zip(d, sums_a)) / n ** 2
+    return gain, var ** 0.5
+
+
 def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
                            loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> tuple[float, list[float]]:
     """The draft's expected accept length per verify step with chains of `gamma` over a batch of

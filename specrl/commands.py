@@ -510,7 +510,7 @@ class BenchRL(Run):
     arms: tuple[str, ...] = flag(
         ("off", "frozen", "online"),
         "comma-separated arms: off, frozen, online, online-unpriced (draft updates not priced by the rollout time "
-        "speculation saves), online-unpriced-N (N updates every step), online-every-N (the budget's updates in one burst every N steps), frozen-fixed and online-fixed (the preset's chain at every step, no adaptive "
+        "speculation saves), online-unpriced-N (N updates every step), online-every-N (the budget's updates in one burst every N steps), online-zN (held-out gains counted less N standard errors), frozen-fixed and online-fixed (the preset's chain at every step, no adaptive "
         "controller), off-b (a second off run: the noise floor), frozen-b (a second frozen run: the noise floor of "
         "a ratio between speculating arms), history (drafts from the group's siblings and "
         "earlier answers, no model), history-sib / history-past (siblings only / earlier answers only), hybrid "

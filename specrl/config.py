@@ -164,6 +164,11 @@ class DraftBudgetConfig:
     horizon: int = 10
     """Rule "value": the rollouts over which a held-out gain is valued (the draft is retrained or
     goes stale within about this many steps)."""
+    gain_z: float = 0.0
+    """Rule "value": the held-out gain counted for a trained candidate is the measured one less
+    this many of its standard errors (paired over the held-out sequences,
+    draft_models.ttt.paired_gain), so a gain the slice cannot tell from noise buys no updates
+    (0: the measured gain)."""
     max_share: float | None = None
     """Hard cap: draft training, held-out measurement and feature capture take at most this share
     of the RL step's wall time over any `share_window` steps (None: no cap)."""
@@ -180,7 +185,7 @@ class DraftBudgetConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"DraftBudgetConfig.{name} must be a non-negative integer, got {v!r}")
-        for name in ("deficit_gain", "kl_gain", "kl_steady", "tolerance", "best_forget"):
+        for name in ("deficit_gain", "kl_gain", "kl_steady", "tolerance", "best_forget", "gain_z"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"DraftBudgetConfig.{name} must be a non-negative finite number, got {v!r}")

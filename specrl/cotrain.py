@@ -38,7 +38,7 @@ import torch
 
 from draft_models.checkpoint import check_draft_weights, copy_draft_weights
 from draft_models.train import collate
-from draft_models.ttt import expected_accept_sums, mean_accept_length
+from draft_models.ttt import expected_accept_sums, mean_accept_length, paired_gain
 from rollout.drafters import DrafterSpec
 from rollout.protocol import DraftReceiver, FeatureSource, Rollout, RolloutStats, summarize_spec_stats
 from specrl.buffer import FeatureBuffer
@@ -462,8 +462,10 @@ class SpecCoTrainer:
             return False
         if cand is None or serve is None:
             return True
-        self.budget.observe_gain(cand - serve, updates)
-        self._gate_step.update({"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve})
+        se = self._gain_error()
+        self.budget.observe_gain(cand - serve, updates, se)
+        self._gate_step.update({"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve,
+                                "sched/candidate_gain_se": se})
         if cand >= serve * (1.0 - self.config.gate_tolerance) - GATE_ROUNDING:
             self._gate["accepted"] += 1
             self._candidate = cand  # its value, once it serves (_push_weights)
@@ -475,6 +477,19 @@ class SpecCoTrainer:
         self.draft_trainer.version += 1  # the trainer's weights changed (back to the serving ones)
         self._engine_version = self.draft_trainer.version  # ... which the engine serves: nothing to push
         return False
+
+    def _gain_error(self) -> float:
+        """The standard error of the candidate's held-out gain over the serving draft's, paired
+        over the held-out sequences both were just measured on (0 where one of them lacks a
+        sequence's sums)."""
+        cand, serve = self._candidate_sums, self._serving_sums
+        records = [r for r in self.buffer.heldout if id(r) in cand and id(r) in serve]
+        if len(records) != len(self.buffer.heldout):
+            return 0.0
+        try:
+            return paired_gain([cand[id(r)][1] for r in records], [serve[id(r)][1] for r in records])[1]
+        except ValueError:  # sums of different rows: no error to take off
+            return 0.0
 
     def _follow_draft(self) -> None:
         """The run choice follows the draft. The choice was made from a measured speed-up S of

@@ -171,14 +171,15 @@ class DraftBudget:
         if stop is not None and self.heldout < stop * (1.0 - self.config.tolerance):
             self.heldout_stop, self.gain = None, None  # the policy moved: probe again
 
-    def observe_gain(self, gain: float, updates: float) -> None:
+    def observe_gain(self, gain: float, updates: float, se: float = 0.0) -> None:
         """A trained candidate's held-out accept length over the serving draft's (negative for a
         candidate the gate refused), after `updates` updates counted at the full learning rate (a
         warm-up update at a tenth of it counts 0.1): g is the gain of a full-rate update, which is
-        what the updates bought from then on are."""
+        what the updates bought from then on are. `se`: the gain's standard error, of which
+        `gain_z` are taken off it first."""
         if updates <= 0 or not math.isfinite(gain):
             return
-        per = gain / updates
+        per = (gain - self.config.gain_z * se) / updates
         self.gain = per if self.gain is None else self.gain + self.config.ema * (per - self.gain)
 
     def observe_step(self, step_s: float, cotrain_s: float) -> None:

@@ -15,6 +15,9 @@ rotating from segment to segment, all in one process:
   online-every-N  online with its updates in one burst every N steps (CoTrainConfig.train_every):
                 the gate and the held-out measurement paid once per burst; its held-out curve
                 holds values at the burst steps only
+  online-zN     online with the value rule counting each candidate's held-out gain less N of its
+                standard errors (DraftBudgetConfig.gain_z): a gain within the held-out slice's
+                noise buys no updates
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -83,7 +86,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from experiments.bench.common import length_distribution, machine_info, turn_order
+from experiments.bench.common import gate_counts, length_distribution, machine_info, turn_order
 from specrl.presets import get_preset, unbudgeted
 from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
@@ -93,6 +96,7 @@ ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fi
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
+GAIN_Z = re.compile(r"online-z([1-9])")  # online, the value rule counting held-out gains less N standard errors
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
 # a step row's parts (seconds), in the order of the plot's stacked bars
 PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
@@ -104,20 +108,26 @@ SAME = ("pg_loss", "kl_ref", "reward", "response_len")  # what coupled sampling 
 
 
 def known_arm(arm: str) -> bool:
-    return arm in ARMS or any(p.fullmatch(arm) is not None for p in (UNPRICED_N, EVERY_N))
+    return arm in ARMS or any(p.fullmatch(arm) is not None for p in (UNPRICED_N, EVERY_N, GAIN_Z))
 
 
 def arm_setup(arm: str, preset):
     """(--spec mode, preset) of an arm."""
     if not known_arm(arm):
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, online-unpriced-N (N draft updates "
-                         f"every step, 1 to 999), online-every-N (the budget's updates in one burst every N steps, 1 to 99)")
+                         f"every step, 1 to 999), online-every-N (the budget's updates in one burst every N steps, 1 to 99), "
+                         f"online-zN (held-out gains counted less N standard errors, 1 to 9)")
     if m := UNPRICED_N.fullmatch(arm):
         cotrain = dataclasses.replace(preset.cotrain, max_draft_steps=int(m.group(1)))
         return "online", dataclasses.replace(preset, cotrain=unbudgeted(cotrain))
     if m := EVERY_N.fullmatch(arm):
         return "online", dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain,
                                                                                  train_every=int(m.group(1))))
+    if m := GAIN_Z.fullmatch(arm):
+        sched = preset.cotrain.scheduler
+        budget = dataclasses.replace(sched.draft_steps, gain_z=float(m.group(1)))
+        return "online", dataclasses.replace(preset, cotrain=dataclasses.replace(
+            preset.cotrain, scheduler=dataclasses.replace(sched, draft_steps=budget)))
     mode = arm.split("-")[0]
     if mode in ("history", "hybrid"):
         history = preset.cotrain.history
@@ -389,8 +399,7 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         held = [x for x in m["accept_length_heldout_curve"] if x is not None]
         m["heldout_end_over_start"] = _end_over_start(held)
         if any("train/draft_refused_total" in r for r in rows[a]):
-            m["draft_refused"] = max(r.get("train/draft_refused_total") or 0 for r in rows[a])
-            m["draft_gated"] = max(r.get("train/draft_gated_total") or 0 for r in rows[a])
+            m.update(gate_counts(rows[a]))
             m["run_rechecks"] = [(r["step"], r["sched/run_recheck"]) for r in rows[a] if r.get("sched/run_recheck")]
         m["draft_updates_per_step"] = _median(r.get("train/draft_steps") for r in rs)
         m["draft_faults"] = max((r.get("train/draft_faults") or 0 for r in rs), default=0)
