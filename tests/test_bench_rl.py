@@ -3,6 +3,7 @@
 Timings are not asserted (they belong to the benchmark's JSON); what is checked is what the
 figures rest on: every arm did the same RL work, the parts add up to the step, the ratios are
 the ratios of the saved rows' medians, and the arms really differ in what they switch on."""
+import dataclasses
 import json
 import statistics
 import sys
@@ -222,7 +223,8 @@ def test_held_out_end_over_start_is_also_read_at_the_steps_every_arm_measured():
 
 
 def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_medians():
-    """frozen-b is set up as frozen is (the noise floor of a ratio between speculating arms); every
+    """frozen-b is set up as frozen is (the noise floor of a ratio between speculating arms), and
+    online-zN as online with DraftBudgetConfig.gain_z = N; every
     arm's step_over_frozen is frozen's median step over its own, total_step_over_frozen the summed
     ratio, over the timed steps only; without a frozen arm there is none."""
     from experiments.bench.rl import arm_setup, report
@@ -230,6 +232,12 @@ def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_med
 
     base = get_preset("ci")
     assert arm_setup("frozen-b", base) == arm_setup("frozen", base) == ("frozen", base)
+    mode, z2 = arm_setup("online-z2", base)  # online with gains counted less 2 standard errors, nothing else
+    assert mode == "online" and z2.cotrain.scheduler.draft_steps.gain_z == 2.0 and base.cotrain.scheduler.draft_steps.gain_z == 0.0
+    assert dataclasses.replace(z2.cotrain.scheduler.draft_steps, gain_z=0.0) == base.cotrain.scheduler.draft_steps
+    for bad in ("online-z0", "online-z10", "online-z"):
+        with pytest.raises(ValueError, match="unknown arm"):
+            arm_setup(bad, base)
 
     def row(step, s):
         return {"step": step, "step_s": s, "rollout_s": s / 2, "perf/update_s": 0.4}

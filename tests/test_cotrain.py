@@ -428,6 +428,7 @@ def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_servi
     m = cot.end_step()
     assert m["train/draft_refused"] == 1 and m["train/draft_refused_total"] == 1 and engine.pushed == []
     assert m["sched/candidate_accept_length"] < m["sched/gate_serving_accept_length"]
+    assert m["sched/candidate_gain_se"] > 0  # the 4 held-out sequences disagree on how much worse it is
     assert all(torch.equal(v, serving[k]) for k, v in cot.draft_trainer.draft.state_dict().items())
 
     def nudge(*a, **k):  # an update that leaves the draft as it was (no worse on any data)
@@ -438,6 +439,7 @@ def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_servi
     cot.begin_step()
     m = cot.end_step()
     assert "train/draft_refused" not in m and engine.pushed == [cot.draft_trainer.version]
+    assert m["sched/candidate_gain_se"] == 0.0  # the same weights: the same sums on every sequence
 
 
 def test_the_serving_draft_is_measured_once_per_held_out_sequence_and_again_after_a_swap(tiny_model, monkeypatch):

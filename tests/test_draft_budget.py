@@ -285,6 +285,25 @@ def test_the_value_rule_stops_when_the_gain_flattens_and_starts_again_when_held_
     assert b.heldout_stop is None and b.gain is None and b.steps(8) == 2
 
 
+def test_gain_z_counts_a_gain_within_its_noise_as_none():
+    """The same measured gain of +0.2 over 2 updates buys 8 updates when counted as measured, and
+    none once 2 of its standard errors (0.15 each) are taken off it: training stops there."""
+    for z, want in ((0.0, 8), (2.0, 0)):
+        b = _valued(gain_z=z)
+        b.observe_heldout(2.0)
+        b.spend(1.0, 2)
+        b.observe_gain(0.2, 2, se=0.15)
+        assert b.gain == pytest.approx((0.2 - z * 0.15) / 2)
+        assert b.steps(8) == want
+    b = _valued(gain_z=2.0)
+    b.observe_heldout(2.0)
+    b.spend(1.0, 2)
+    b.observe_gain(0.2, 2, se=0.01)  # well beyond its noise: bought as before
+    assert b.steps(8) == 8
+    with pytest.raises(ValueError, match="gain_z"):
+        DraftBudgetConfig(gain_z=-1.0)
+
+
 def test_the_value_rule_trains_a_draft_that_no_longer_pays_when_its_gain_would_bring_speculation_back():
     """A stale draft whose speculation no longer pays (its verify steps cost 28 ms per 1000 tokens
     at accept length 1, so it breaks even with plain decoding at 5.6): updates that would lift it
