@@ -43,7 +43,8 @@ draft_models.ttt.expected_accept_length: the same whether or not speculation ser
 the held-out gain of every trained candidate per full-rate update g (`observe_gain`: a warm-up update
 counts by its share of the learning rate, so a probe made during the warm-up is not read as a draft
 that learns slowly; the updates it then buys are valued at the full rate, optimistic only for those
-still in the warm-up). The rollouts' figures
+still in the warm-up; with `gain_z`, each gain less that many of its standard errors, paired over the
+held-out sequences, so a gain the slice cannot tell from noise counts as none). The rollouts' figures
 (`observe_rollout`) give the plain rate r (seconds per token: a plain rollout's, or a speculating
 one's seconds plus the engine's estimated saving) and the speculating cost c (a speculating
 rollout's seconds per token times the serving draft's held-out E when it ran). A draft of held-out
