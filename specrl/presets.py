@@ -48,10 +48,18 @@ PRICED_WARMUP = 10
 # Share of the RL step that co-training (draft updates, held-out measurement, feature capture) may
 # take over any 10 steps, whatever the gains: the hard cap of the one co-training configuration.
 COTRAIN_MAX_SHARE = 0.05
+# Standard errors taken off each candidate's held-out gain before the value rule counts it
+# (DraftBudgetConfig.gain_z): a gain the held-out slice cannot tell from noise buys no updates.
+# Where the policy barely moves (`speed`), the gains after the first burst sit within 2 standard
+# errors of zero and buying on them doubled co-training's share; where it drifts (`speed-drift`)
+# they stand 2.5-9 errors clear and the cap binds first (docs/results.md, "Gains counted net of
+# their noise").
+GAIN_Z = 2.0
 # The budget of the one co-training configuration (specrl/draft_budget.py, rule "value"): updates
-# while the held-out gain they buy, valued in rollout seconds over the next 10 rollouts, exceeds
-# their measured cost; probes of 2 updates where the gain is unknown; the hard cap above.
-VALUE_BUDGET = DraftBudgetConfig(rule="value", base_steps=2, max_share=COTRAIN_MAX_SHARE)
+# while the held-out gain they buy, less GAIN_Z of its standard errors and valued in rollout
+# seconds over the next 10 rollouts, exceeds their measured cost; probes of 2 updates where the
+# gain is unknown; the hard cap above.
+VALUE_BUDGET = DraftBudgetConfig(rule="value", base_steps=2, max_share=COTRAIN_MAX_SHARE, gain_z=GAIN_Z)
 # Draft updates in one burst every this many RL steps (CoTrainConfig.train_every): the held-out
 # measurement and the gate, each about half an update, are then paid once per burst, and the same
 # cap buys more updates (docs/results.md, "Bursts every 4 steps").

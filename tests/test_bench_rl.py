@@ -235,9 +235,17 @@ def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_med
     mode, z2 = arm_setup("online-z2", base)  # online with gains counted less 2 standard errors, nothing else
     assert mode == "online" and z2.cotrain.scheduler.draft_steps.gain_z == 2.0 and base.cotrain.scheduler.draft_steps.gain_z == 0.0
     assert dataclasses.replace(z2.cotrain.scheduler.draft_steps, gain_z=0.0) == base.cotrain.scheduler.draft_steps
-    for bad in ("online-z0", "online-z10", "online-z"):
+    for bad in ("online-z10", "online-z", "online-z-1"):
         with pytest.raises(ValueError, match="unknown arm"):
             arm_setup(bad, base)
+    # The configuration's budget counts gains less GAIN_Z errors; online-z0 is that budget counting
+    # the measured gain, and differs from it in nothing else.
+    from specrl.presets import GAIN_Z
+    speed = get_preset("speed")
+    assert GAIN_Z == 2.0 and speed.cotrain.scheduler.draft_steps.gain_z == GAIN_Z
+    mode, z0 = arm_setup("online-z0", speed)
+    assert mode == "online" and z0.cotrain.scheduler.draft_steps.gain_z == 0.0
+    assert dataclasses.replace(z0.cotrain.scheduler.draft_steps, gain_z=GAIN_Z) == speed.cotrain.scheduler.draft_steps
 
     def row(step, s):
         return {"step": step, "step_s": s, "rollout_s": s / 2, "perf/update_s": 0.4}

@@ -16,8 +16,8 @@ rotating from segment to segment, all in one process:
                 the gate and the held-out measurement paid once per burst; its held-out curve
                 holds values at the burst steps only
   online-zN     online with the value rule counting each candidate's held-out gain less N of its
-                standard errors (DraftBudgetConfig.gain_z): a gain within the held-out slice's
-                noise buys no updates
+                standard errors (DraftBudgetConfig.gain_z; the configuration's is
+                presets.GAIN_Z): online-z0 counts the measured gain, noise and all
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -96,7 +96,7 @@ ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fi
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
-GAIN_Z = re.compile(r"online-z([1-9])")  # online, the value rule counting held-out gains less N standard errors
+GAIN_Z = re.compile(r"online-z([0-9])")  # online, the value rule counting held-out gains less N standard errors
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
 # a step row's parts (seconds), in the order of the plot's stacked bars
 PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
@@ -116,7 +116,7 @@ def arm_setup(arm: str, preset):
     if not known_arm(arm):
         raise ValueError(f"unknown arm {arm!r}; choose from {', '.join(ARMS)}, online-unpriced-N (N draft updates "
                          f"every step, 1 to 999), online-every-N (the budget's updates in one burst every N steps, 1 to 99), "
-                         f"online-zN (held-out gains counted less N standard errors, 1 to 9)")
+                         f"online-zN (held-out gains counted less N standard errors, 0 to 9)")
     if m := UNPRICED_N.fullmatch(arm):
         cotrain = dataclasses.replace(preset.cotrain, max_draft_steps=int(m.group(1)))
         return "online", dataclasses.replace(preset, cotrain=unbudgeted(cotrain))
