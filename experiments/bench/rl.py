@@ -96,7 +96,7 @@ ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fi
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
-GAIN_Z = re.compile(r"online-z([0-9])")  # online, the value rule counting held-out gains less N standard errors
+GAIN_Z_N = re.compile(r"online-z([0-9])")  # online, the value rule counting held-out gains less N standard errors
 PROJECTED_ROLLOUT_SHARES = (0.65, 0.85, 0.95)  # rollout shares of an RL step the field reports
 # a step row's parts (seconds), in the order of the plot's stacked bars
 PARTS = {"rollout_full_s": "perf/rollout_full_s", "rollout_tail_s": "perf/rollout_tail_s",
@@ -108,7 +108,7 @@ SAME = ("pg_loss", "kl_ref", "reward", "response_len")  # what coupled sampling 
 
 
 def known_arm(arm: str) -> bool:
-    return arm in ARMS or any(p.fullmatch(arm) is not None for p in (UNPRICED_N, EVERY_N, GAIN_Z))
+    return arm in ARMS or any(p.fullmatch(arm) is not None for p in (UNPRICED_N, EVERY_N, GAIN_Z_N))
 
 
 def arm_setup(arm: str, preset):
@@ -123,7 +123,7 @@ def arm_setup(arm: str, preset):
     if m := EVERY_N.fullmatch(arm):
         return "online", dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain,
                                                                                  train_every=int(m.group(1))))
-    if m := GAIN_Z.fullmatch(arm):
+    if m := GAIN_Z_N.fullmatch(arm):
         sched = preset.cotrain.scheduler
         budget = dataclasses.replace(sched.draft_steps, gain_z=float(m.group(1)))
         return "online", dataclasses.replace(preset, cotrain=dataclasses.replace(
