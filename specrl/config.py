@@ -319,6 +319,10 @@ class ControllerConfig:
     run_sure: float = 1.25
     """Embedded engine: keep speculating without timing plain rollouts while the per-step
     controller estimates each timed speculating rollout at least this much faster than plain."""
+    run_paired: bool = False
+    """Embedded engine: time the arm not chosen in pairs, each of its rollouts next to one of the
+    chosen arm, and choose on the median of the pairs' ratios (RunChoice `paired`); False: one
+    block of each arm, compared by their medians."""
 
     def __post_init__(self) -> None:
         self.gammas = tuple(int(g) for g in self.gammas)

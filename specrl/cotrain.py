@@ -151,7 +151,7 @@ class SpecCoTrainer:
                 # controller where a switch is free (so re-checked), or instead of it where a switch
                 # is a restart (vLLM: the first choice is final)
                 self.run_choice = (RunChoice(c.run_rollouts, c.run_warmup, c.margin, c.run_recheck, c.run_sure,
-                                             rewarm=False) if caps.switch == "free"
+                                             rewarm=False, paired=c.run_paired) if caps.switch == "free"
                                    else RunChoice(c.run_rollouts, c.run_warmup, c.margin))
             elif not caps.step_policy:
                 how = "ControllerConfig.run_rollouts is 0" if caps.switch is not None else "nor a choice per run"

@@ -32,29 +32,48 @@ class RunChoice:
     choice, and each re-check that leaves the choice as it was doubles the wait, up to BACKOFF
     times: the policy and the draft drift. Without it the first choice is final.
 
+    `paired` (a free switch only, so without `rewarm`): the plain rollouts are timed in *pairs*,
+    each next to a speculating one (the arm not chosen first), and the choice is the median of
+    the pairs' ratios (speculating over plain tokens per second) against the margin. Two blocks
+    are timed rollouts apart, and a slow spell of the machine over one of them reads as that
+    arm's speed (docs/results.md: a plain block read x1.35 slower than speculation that was
+    x0.95 of plain); the two rollouts of a pair run back to back, so a spell longer than a
+    rollout slows both, and the median leaves out a pair it split. The first choice still times
+    its speculating block first, for `sure`; the pairs follow it where the estimate is not sure.
+
     The owner asks `arm()` before each rollout and reports the rollout with `record`."""
 
     BACKOFF = 8
 
     def __init__(self, rollouts: int, warmup: int = 1, margin: float = 1.05, recheck: int = 0,
-                 sure: float | None = None, rewarm: bool = True):
+                 sure: float | None = None, rewarm: bool = True, paired: bool = False):
         if rollouts < 1 or warmup < 0 or recheck < 0:
             raise ValueError(f"RunChoice needs rollouts >= 1, warmup >= 0 and recheck >= 0, got {rollouts}, "
                              f"{warmup}, {recheck}")
+        if paired and rewarm:
+            raise ValueError("RunChoice(paired=True) needs rewarm=False: pairs switch arms every rollout, "
+                             "which only a free switch affords")
         self.rollouts, self.warmup, self.margin = int(rollouts), int(warmup), float(margin)
-        self.recheck, self.sure, self.rewarm = int(recheck), sure, bool(rewarm)
+        self.recheck, self.sure, self.rewarm, self.paired = int(recheck), sure, bool(rewarm), bool(paired)
         self.rates: dict[str, list[float]] = {"spec": [], "plain": []}  # the last `rollouts` timed calls per arm
         self.estimated: list[float] = []  # the engine's speed-up estimates of the last timed speculating calls
+        self.pairs: list[float] = []  # paired: the ratios (spec over plain tokens/s) of the last paired block
+        self._half: tuple[str, float] | None = None  # paired: the first call of a pair, (arm, tokens/s)
         self.calls = 0
         self.speculate: bool | None = None  # the choice, once both arms are timed (or the estimate is sure)
         self.chosen_speedup: float | None = None  # speedup() when the choice was last made
         self.decisions = 0  # choices made so far (the first and every re-check's)
-        # the calls still to time, in order: (arm, timed); a warm-up call is played, not timed
-        self.queue = self._block("spec", self.warmup) + self._block("plain", self.warmup if self.rewarm else 0)
+        # the calls still to time, in order: (arm, timed, paired); a warm-up call is played, not timed
+        self.queue = self._block("spec", self.warmup, alone=True) + self._block("plain", self.warmup if self.rewarm else 0)
         self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
 
-    def _block(self, arm: str, warmup: int) -> list:
-        return [(arm, False)] * warmup + [(arm, True)] * self.rollouts
+    def _block(self, arm: str, warmup: int, alone: bool = False) -> list:
+        """The calls that time `arm`: `warmup` untimed, then `rollouts` timed, each followed by one
+        of the other arm where paired (unless `alone`: the first choice's speculating block)."""
+        if not self.paired or alone:
+            return [(arm, False, False)] * warmup + [(arm, True, False)] * self.rollouts
+        other = "spec" if arm == "plain" else "plain"
+        return [(arm, False, False)] * warmup + [(arm, True, True), (other, True, True)] * self.rollouts
 
     def arm(self) -> str:
         """"spec" or "plain": how the next generate() call decodes."""
@@ -67,14 +86,16 @@ class RunChoice:
         engine's estimate of the seconds speculation saved in it (None: not estimated)."""
         self.calls += 1
         timing = bool(self.queue)
-        timed = self.queue.pop(0)[1] if timing else True
+        _, timed, paired = self.queue.pop(0) if timing else (arm, True, False)
         if timed and seconds > 0:
             self.rates[arm] = (self.rates[arm] + [tokens / seconds])[-self.rollouts:]
             if arm == "spec":
                 est = None if est_saved_s is None else (seconds + est_saved_s) / seconds
                 self.estimated = (self.estimated + [est])[-self.rollouts:]
+        if paired:
+            self._pair(arm, tokens / seconds if seconds > 0 else None)
         if timing:
-            if self.queue and self.queue[0][0] == "plain" and self._sure():
+            if self.speculate is None and self.queue and self.queue[0][0] == "plain" and self._sure():
                 self.queue = []  # speculation estimated well above plain: nothing to time against
             if not self.queue:
                 self._choose()
@@ -85,7 +106,22 @@ class RunChoice:
             if self.speculate and self._sure():  # still far above plain: no block of plain calls
                 self.interval = min(2 * self.interval, self.BACKOFF * self.recheck)
                 return
-            self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+            self._time_other()
+
+    def _time_other(self) -> None:
+        """Queue a block timing the arm not chosen (a paired block starts its list of ratios afresh)."""
+        self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+        self.pairs, self._half = [], None
+
+    def _pair(self, arm: str, rate: float | None) -> None:
+        """A paired call: the first of its pair waits for the second, which adds the pair's ratio."""
+        if self._half is None:
+            self._half = (arm, rate)
+            return
+        (first, r0), self._half = self._half, None
+        if rate and r0 and first != arm:
+            spec, plain = (r0, rate) if first == "spec" else (rate, r0)
+            self.pairs.append(spec / plain)
 
     def recheck_now(self) -> None:
         """Time the arm not chosen again now (one block), not at the next periodic re-check: the
@@ -94,7 +130,7 @@ class RunChoice:
         if self.speculate is None or self.queue:
             return
         self.since = 0
-        self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+        self._time_other()
 
     def _sure(self) -> bool:
         e = self.estimated
@@ -111,7 +147,10 @@ class RunChoice:
         self.decisions += 1
 
     def speedup(self) -> float | None:
-        """Median speculating over median plain tokens per second (None until both are timed)."""
+        """Median speculating over median plain tokens per second (None until both are timed);
+        paired: the median of the last paired block's ratios (None before one)."""
+        if self.paired:
+            return statistics.median(self.pairs) if self.pairs else None
         if not self.rates["spec"] or not self.rates["plain"]:
             return None
         return statistics.median(self.rates["spec"]) / statistics.median(self.rates["plain"])
@@ -131,28 +170,32 @@ class RunChoice:
     def summary(self) -> dict:
         return {"speculate": self.speculate, "speedup": self.chosen_speedup, "rollouts": self.rollouts,
                 "warmup": self.warmup, "calls": self.calls, "tokens_per_s": {k: list(v) for k, v in self.rates.items()},
-                "estimated_speedup": list(self.estimated)}
+                "estimated_speedup": list(self.estimated), "paired": self.paired, "pair_speedups": list(self.pairs)}
 
     def state_dict(self) -> dict:
         # rollouts, warmup, margin, recheck, sure and rewarm come from the config
         return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
                 "chosen_speedup": self.chosen_speedup, "estimated": list(self.estimated),
                 "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval,
-                "decisions": self.decisions}
+                "decisions": self.decisions, "pairs": list(self.pairs),
+                "half": list(self._half) if self._half is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         self.calls, self.speculate = int(state["calls"]), state["speculate"]
         self.rates = {k: [float(x) for x in v] for k, v in state["rates"].items()}
         self.estimated = list(state.get("estimated", []))
         self.chosen_speedup = state.get("chosen_speedup", self.speedup() if self.speculate is not None else None)
-        if "queue" in state:
-            self.queue = [(str(a), bool(t)) for a, t in state["queue"]]
+        if "queue" in state:  # (arm, timed) before pairs existed
+            self.queue = [(str(q[0]), bool(q[1]), bool(q[2]) if len(q) > 2 else False) for q in state["queue"]]
         elif self.speculate is not None:  # a saved state without a queue, decided: the choice is final
             self.queue = []
         else:  # a saved state without a queue, still timing: time both blocks again
             self.rates = {"spec": [], "plain": []}
         self.since, self.interval = int(state.get("since", 0)), int(state.get("interval", self.recheck))
         self.decisions = int(state.get("decisions", int(self.speculate is not None)))
+        self.pairs = [float(x) for x in state.get("pairs", [])]
+        half = state.get("half")
+        self._half = (str(half[0]), half[1]) if half is not None else None
 
 
 def choice_history(rows) -> dict | None:

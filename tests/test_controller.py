@@ -447,6 +447,48 @@ def test_a_run_choice_is_re_checked_and_follows_a_change():
     assert again.summary() == choice.summary() and play(again, slow, calls=50) == play(choice, slow, calls=50)
 
 
+def test_a_paired_run_choice_reads_a_slow_spell_as_the_machine_not_as_an_arm():
+    """`paired`: the arm not chosen is timed in pairs, each of its rollouts next to one of the
+    chosen arm, and the choice is the median of the pairs' ratios. A slow spell of the machine
+    over the three rollouts after the speculating block reads, with blocks, as plain decoding
+    being slower (speculation at x0.95 kept as x1.36); the pairs keep plain decoding. Without a
+    spell both read the same; re-checks time pairs too, and a state saved mid-pair resumes."""
+    from specrl.run_choice import RunChoice
+
+    def spelled(rate, lo, hi):  # `rate` tokens/s, 0.7 of it over calls lo..hi (a busy machine)
+        return lambda i: rate * (0.7 if lo <= i <= hi else 1.0)
+
+    spell = {"spec": spelled(95.0, 4, 6), "plain": spelled(100.0, 4, 6)}
+    blocks = RunChoice(3, warmup=1, margin=1.05, recheck=0, rewarm=False)
+    assert play(blocks, spell, calls=7) == ["spec"] * 4 + ["plain"] * 3
+    assert blocks.speculate is True and blocks.chosen_speedup == pytest.approx(95 / 70)  # the spell, read as plain's
+    pairs = RunChoice(3, warmup=1, margin=1.05, recheck=0, rewarm=False, paired=True)
+    assert play(pairs, spell, calls=10) == ["spec"] * 4 + ["plain", "spec"] * 3
+    assert pairs.speculate is False and pairs.pairs == pytest.approx([0.95, 95 / 70, 0.95])
+    assert pairs.chosen_speedup == pytest.approx(0.95) and play(pairs, spell, calls=5) == ["plain"] * 5
+
+    fast = {"spec": lambda i: 130.0, "plain": lambda i: 100.0}  # no spell: the same choice either way
+    choice = RunChoice(2, warmup=1, margin=1.05, recheck=4, rewarm=False, paired=True)
+    arms = play(choice, fast, calls=7 + 4 + 4)
+    assert arms == ["spec"] * 3 + ["plain", "spec"] * 2 + ["spec"] * 4 + ["plain", "spec"] * 2
+    assert choice.speculate is True and choice.speedup() == pytest.approx(1.3) and choice.interval == 8
+    assert choice.saved_s(1300, 10.0) == pytest.approx(3.0)  # plain's measured rate prices the saving
+    sure = RunChoice(2, warmup=1, margin=1.05, recheck=4, sure=1.25, rewarm=False, paired=True)
+    assert play(sure, fast, lambda i: 1.6, calls=20) == ["spec"] * 20 and sure.chosen_speedup is None
+
+    slow = {"spec": lambda i: 90.0, "plain": lambda i: 100.0}  # plain chosen: its re-check pairs spec first
+    drop = RunChoice(2, warmup=1, margin=1.05, recheck=3, rewarm=False, paired=True)
+    assert play(drop, slow, calls=7 + 3) == ["spec"] * 3 + ["plain", "spec"] * 2 + ["plain"] * 3
+    assert drop.speculate is False and drop.queue == [("spec", True, True), ("plain", True, True)] * 2
+    assert play(drop, slow, calls=1) == ["spec"]  # a state saved here, mid-pair, resumes the pair
+    again = RunChoice(2, warmup=1, margin=1.05, recheck=3, rewarm=False, paired=True)
+    again.load_state_dict(drop.state_dict())
+    assert play(again, slow, calls=30) == play(drop, slow, calls=30) and again.summary() == drop.summary()
+    assert again.pairs == pytest.approx([0.9] * 2) and again.speculate is False
+    with pytest.raises(ValueError, match="rewarm=False"):
+        RunChoice(2, paired=True)  # rewarm: every switch restarts the engine, pairs would restart it every call
+
+
 def test_an_engine_without_a_step_controller_gets_the_run_choice():
     """The co-trainer hands an adaptive run's decision to an engine that takes no per-step
     controller but a run choice (vLLM), and warns where the engine takes neither."""
