@@ -1,4 +1,5 @@
 """Contract of the co-training plug-in inside a real RL loop (CI preset, a few steps)."""
+import dataclasses
 import json
 
 import pytest
@@ -615,7 +616,10 @@ def test_the_embedded_engine_speculates_or_not_per_rollout_as_its_run_choice_say
     cot = SpecCoTrainer(copy.deepcopy(offline_draft), cfg).attach(engine)
     choice = cot.run_choice
     assert isinstance(choice, RunChoice) and cot.controller is not None
-    assert (choice.recheck, choice.sure, choice.warmup, choice.rewarm) == (7, 1.25, 3, False)
+    assert (choice.recheck, choice.sure, choice.warmup, choice.rewarm, choice.paired) == (7, 1.25, 3, False, False)
+    paired = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, run_paired=True))
+    assert SpecCoTrainer(copy.deepcopy(offline_draft), paired).attach(
+        EmbeddedEngine(policy, EngineConfig(max_batch=8))).run_choice.paired is True  # a free switch: pairs
     cot.run_choice = choice = RunChoice(1, warmup=0, margin=1.05, recheck=7, sure=None)  # one rollout per block
     prompts = encode_prompts(tokenizer, task.examples("heldout", 8, 2))
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
@@ -650,6 +654,9 @@ def test_the_run_choice_times_the_rollout_without_the_draft_training_in_its_tail
     priced = SchedulerConfig(draft_steps=DraftBudgetConfig(saving_share=0.15))
     cot = SpecCoTrainer(draft, CoTrainConfig(mode="online", adaptive=True, scheduler=priced)).attach(PerRunEngine())
     choice = cot.run_choice
+    restart = dataclasses.replace(cot.config.controller, run_paired=True)  # pairs need a free switch: blocks here
+    assert SpecCoTrainer(draft, dataclasses.replace(cot.config, controller=restart)).attach(
+        PerRunEngine()).run_choice.paired is False
     for arm in ["spec"] * 6 + ["plain"] * 6:  # 3 warm-up and 3 timed rollouts per block
         cot.begin_step()
         cot.on_rollout(Rollout([SimpleNamespace(spec=None)], RolloutStats(10.0, 1000, speculated=arm == "spec",
