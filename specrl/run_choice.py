@@ -36,9 +36,9 @@ class RunChoice:
     each next to a speculating one (the arm not chosen first), and the choice is the median of
     the pairs' ratios (speculating over plain tokens per second) against the margin. Two blocks
     are timed rollouts apart, and a slow spell of the machine over one of them reads as that
-    arm's speed (docs/results.md: a plain block read x1.35 slower than speculation that was
-    x0.95 of plain); the two rollouts of a pair run back to back, so a spell longer than a
-    rollout slows both, and the median leaves out a pair it split. The first choice still times
+    arm's speed (docs/results.md: speculation running at x0.95 of plain read as x1.35 of it, a
+    spell having fallen on the plain block); the two rollouts of a pair run back to back, so a
+    spell longer than a rollout slows both, and the median leaves out a pair it split. The first choice still times
     its speculating block first, for `sure`; the pairs follow it where the estimate is not sure.
 
     The owner asks `arm()` before each rollout and reports the rollout with `record`."""

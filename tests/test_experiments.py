@@ -346,3 +346,20 @@ def test_the_draft_precision_comparison_trains_fp32_and_bf16_on_the_same_batches
     assert all(1.0 <= a["heldout_expected_accept_length"] <= 1 + r["gamma"] for a in r["arms"].values())
     assert main(["--preset", "ci", "--out", str(tmp_path / "p")]) == 2  # summary.json is there: refused
     assert main(["--preset", "ci", "--answers", "4", "--heldout", "4", "--out", str(tmp_path / "q")]) == 2
+
+
+def test_the_busy_neighbour_runs_the_command_beside_seeded_spells(tmp_path, capsys):
+    """experiments.busy_neighbour: the command's exit status comes back and the neighbour ends
+    with it; the spells are a function of the seed alone; bad arguments get one line and 2."""
+    import sys
+
+    from experiments.busy_neighbour import SPELL_S, WAIT_S, main, spells
+
+    log = tmp_path / "spells.txt"
+    assert main(["3", str(log), "--", sys.executable, "-c", "import sys; sys.exit(3)"]) == 3
+    first = spells(7, 20)
+    assert first == spells(7, 20) and first != spells(8, 20)
+    assert all(WAIT_S[0] <= w <= WAIT_S[1] and SPELL_S[0] <= s <= SPELL_S[1] for w, s in first)
+    for bad in (["x", str(log), "--", "true"], ["1", str(log), "true"], ["1", "--", "true"]):
+        assert main(bad) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
