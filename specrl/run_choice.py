@@ -201,8 +201,9 @@ class RunChoice:
 def choice_history(rows) -> dict | None:
     """An RL run's per-rollout choice, from its metric rows (`rollout/spec_run_choice`: 1, 0, or
     None while its first rollouts are timed): the choice at the end, the speed-up it was made on,
-    the step it was first made and the steps where a re-check changed it. None for a run without
-    a choice per rollout."""
+    the step it was first made, the steps where a re-check changed it and how many steps ended
+    with speculation chosen (`speculating_steps`; where it cannot pay, each is a wrong one). None
+    for a run without a choice per rollout."""
     rows = [r for r in rows if "rollout/spec_run_choice" in r]
     if not rows:
         return None
@@ -211,7 +212,8 @@ def choice_history(rows) -> dict | None:
             "speedup": decided[-1].get("rollout/spec_run_speedup") if decided else None,
             "decided_at_step": decided[0]["step"] if decided else None,
             "changed_at_steps": [r["step"] for p, r in zip(decided, decided[1:])
-                                 if r["rollout/spec_run_choice"] != p["rollout/spec_run_choice"]]}
+                                 if r["rollout/spec_run_choice"] != p["rollout/spec_run_choice"]],
+            "speculating_steps": sum(1 for r in decided if r["rollout/spec_run_choice"])}
 
 
 def describe(history: dict | None) -> str:

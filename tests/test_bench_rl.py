@@ -375,13 +375,14 @@ def test_a_run_choice_is_reported_with_the_step_it_was_made():
             "frozen": [row(0), row(1), row(2, 0, 0.84), row(3, 0, 0.84)]}
     s = summarize(rows, [(0, 4)], warmup=1)
     assert s["arms"]["frozen"]["run_choice"] == {"speculate": False, "speedup": 0.84, "decided_at_step": 2,
-                                                 "changed_at_steps": []}
+                                                 "changed_at_steps": [], "speculating_steps": 0}
     assert "run_choice" not in s["arms"]["off"]
     lines = report({"preset": "p", "steps": 4, "segment": 4, "warmup_steps": 1, "engines": {"vllm": s}})
     assert any("switched off at step 2" in x and "x0.840" in x for x in lines)
     flips = summarize({"off": rows["off"], "frozen": [row(0), row(1, 0, 0.9), row(2, 1, 1.2), row(3, 1, None)]},
                       [(0, 4)], warmup=1)  # re-checked at step 2; kept on the estimate at step 3
     assert flips["arms"]["frozen"]["run_choice"]["changed_at_steps"] == [2]
+    assert flips["arms"]["frozen"]["run_choice"]["speculating_steps"] == 2  # steps 2 and 3 ended speculating
     lines = report({"preset": "p", "steps": 4, "segment": 4, "warmup_steps": 1, "engines": {"embedded": flips}})
     assert any("switched off at step 1, changed at steps [2], on at the end" in x and "not timed" in x for x in lines)
     pending = summarize({"off": rows["off"], "frozen": [row(i) for i in range(4)]}, [(0, 4)], warmup=1)
