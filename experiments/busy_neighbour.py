@@ -11,29 +11,36 @@ Exits with the command's exit status (2, with one line, on bad arguments).
 """
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import random
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 WAIT_S = (5.0, 20.0)  # between two spells
 SPELL_S = (2.0, 10.0)  # one spell's length
 
 
+def _schedule(seed: int) -> Iterator[tuple[float, float]]:
+    """The neighbour seeded with `seed`: (wait before, length) of each spell, in seconds, for ever."""
+    rng = random.Random(seed)
+    while True:
+        wait = rng.uniform(*WAIT_S)
+        yield wait, rng.uniform(*SPELL_S)
+
+
 def spells(seed: int, n: int) -> list[tuple[float, float]]:
     """The first n (wait before, length) pairs of the neighbour seeded with `seed`, in seconds."""
-    rng = random.Random(seed)
-    return [(rng.uniform(*WAIT_S), rng.uniform(*SPELL_S)) for _ in range(n)]
+    return list(itertools.islice(_schedule(seed), n))
 
 
 def burn(seed: int, path: str) -> None:
     """The neighbour's loop: wait, burn, log, for ever (the parent ends it)."""
-    rng = random.Random(seed)
     with open(path, "a") as log:
-        while True:
-            time.sleep(rng.uniform(*WAIT_S))
-            length = rng.uniform(*SPELL_S)
+        for wait, length in _schedule(seed):
+            time.sleep(wait)
             start = time.time()
             log.write(f"{start:.1f} {length:.1f}\n")
             log.flush()

@@ -38,8 +38,9 @@ class RunChoice:
     are timed rollouts apart, and a slow spell of the machine over one of them reads as that
     arm's speed (docs/results.md: speculation running at x0.95 of plain read as x1.35 of it, a
     spell having fallen on the plain block); the two rollouts of a pair run back to back, so a
-    spell longer than a rollout slows both, and the median leaves out a pair it split. The first choice still times
-    its speculating block first, for `sure`; the pairs follow it where the estimate is not sure.
+    spell longer than a rollout slows both, and the median leaves out a pair it split. The first
+    choice still times its speculating block first, for `sure`; the pairs follow it where the
+    estimate is not sure.
 
     The owner asks `arm()` before each rollout and reports the rollout with `record`."""
 
