@@ -319,10 +319,12 @@ class ControllerConfig:
     run_sure: float = 1.25
     """Embedded engine: keep speculating without timing plain rollouts while the per-step
     controller estimates each timed speculating rollout at least this much faster than plain."""
-    run_paired: bool = False
+    run_paired: bool = True
     """Embedded engine: time the arm not chosen in pairs, each of its rollouts next to one of the
-    chosen arm, and choose on the median of the pairs' ratios (RunChoice `paired`); False: one
-    block of each arm, compared by their medians."""
+    chosen arm, and choose on the median of the pairs' ratios (RunChoice `paired`): a slow spell
+    of the machine then slows both halves of a pair, where over one block it reads as that arm's
+    speed. False: one block of each arm, compared by their medians. Engines whose switch is a
+    restart (vLLM) time blocks either way."""
 
     def __post_init__(self) -> None:
         self.gammas = tuple(int(g) for g in self.gammas)

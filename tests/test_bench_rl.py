@@ -232,10 +232,13 @@ def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_med
 
     base = get_preset("ci")
     assert arm_setup("frozen-b", base) == arm_setup("frozen", base) == ("frozen", base)
+    assert base.cotrain.controller.run_paired  # the configuration times the arm not chosen in pairs
+    for arm, mode in (("frozen-blocks", "frozen"), ("frozen-blocks-b", "frozen"), ("online-blocks", "online")):
+        got, blocks = arm_setup(arm, base)  # the run choice timed in blocks, nothing else changed
+        assert got == mode and not blocks.cotrain.controller.run_paired
+        assert dataclasses.replace(blocks.cotrain.controller, run_paired=True) == base.cotrain.controller
     for arm, mode in (("frozen-paired", "frozen"), ("frozen-paired-b", "frozen"), ("online-paired", "online")):
-        got, paired = arm_setup(arm, base)  # the run choice timed in pairs, nothing else changed
-        assert got == mode and paired.cotrain.controller.run_paired and not base.cotrain.controller.run_paired
-        assert dataclasses.replace(paired.cotrain.controller, run_paired=False) == base.cotrain.controller
+        assert arm_setup(arm, base) == (mode, base)  # pairs set explicitly: the preset itself
     mode, z2 = arm_setup("online-z2", base)  # online with gains counted less 2 standard errors, nothing else
     assert mode == "online" and z2.cotrain.scheduler.draft_steps.gain_z == 2.0 and base.cotrain.scheduler.draft_steps.gain_z == 0.0
     assert dataclasses.replace(z2.cotrain.scheduler.draft_steps, gain_z=0.0) == base.cotrain.scheduler.draft_steps

@@ -578,11 +578,13 @@ def test_a_stale_draft_trains_while_plain_decoding_is_chosen_and_speculation_com
     # (a verify step costs 1.4 x 10 / 1000 s, so speculation pays from accept length 2.8 on, by the
     # run choice's margin of 1.05 from 2.94)
     spec = SimpleNamespace(spec=None)
-    for arm in ["spec"] * 6 + ["plain"] * 6:
+    for _ in range(12):  # 3 warm-up and 3 timed speculating rollouts, then 3 pairs (the configuration's)
+        arm = choice.arm()
         cot.begin_step()
         cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
         cot.budget.observe_rollout(1000, 10.0, True, 1.4, None) if arm == "spec" else None
         cot.end_step(train=False)
+    assert choice.paired and choice.pairs == [0.5] * 3
     assert choice.speculate is False and not choice.queue
     trained_while_plain, back, pays_from = 0, None, None
     for step in range(8):  # within the periodic re-check's wait (ControllerConfig.run_recheck = 10)
@@ -616,10 +618,10 @@ def test_the_embedded_engine_speculates_or_not_per_rollout_as_its_run_choice_say
     cot = SpecCoTrainer(copy.deepcopy(offline_draft), cfg).attach(engine)
     choice = cot.run_choice
     assert isinstance(choice, RunChoice) and cot.controller is not None
-    assert (choice.recheck, choice.sure, choice.warmup, choice.rewarm, choice.paired) == (7, 1.25, 3, False, False)
-    paired = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, run_paired=True))
-    assert SpecCoTrainer(copy.deepcopy(offline_draft), paired).attach(
-        EmbeddedEngine(policy, EngineConfig(max_batch=8))).run_choice.paired is True  # a free switch: pairs
+    assert (choice.recheck, choice.sure, choice.warmup, choice.rewarm, choice.paired) == (7, 1.25, 3, False, True)
+    blocks = dataclasses.replace(cfg, controller=dataclasses.replace(cfg.controller, run_paired=False))
+    assert SpecCoTrainer(copy.deepcopy(offline_draft), blocks).attach(
+        EmbeddedEngine(policy, EngineConfig(max_batch=8))).run_choice.paired is False  # a free switch: as configured
     cot.run_choice = choice = RunChoice(1, warmup=0, margin=1.05, recheck=7, sure=None)  # one rollout per block
     prompts = encode_prompts(tokenizer, task.examples("heldout", 8, 2))
     params = SamplingParams(temperature=0.0, max_new_tokens=24, stop_token_ids=(tokenizer.eos_id,))
@@ -654,9 +656,7 @@ def test_the_run_choice_times_the_rollout_without_the_draft_training_in_its_tail
     priced = SchedulerConfig(draft_steps=DraftBudgetConfig(saving_share=0.15))
     cot = SpecCoTrainer(draft, CoTrainConfig(mode="online", adaptive=True, scheduler=priced)).attach(PerRunEngine())
     choice = cot.run_choice
-    restart = dataclasses.replace(cot.config.controller, run_paired=True)  # pairs need a free switch: blocks here
-    assert SpecCoTrainer(draft, dataclasses.replace(cot.config, controller=restart)).attach(
-        PerRunEngine()).run_choice.paired is False
+    assert cot.config.controller.run_paired and choice.paired is False  # pairs need a free switch: blocks here
     for arm in ["spec"] * 6 + ["plain"] * 6:  # 3 warm-up and 3 timed rollouts per block
         cot.begin_step()
         cot.on_rollout(Rollout([SimpleNamespace(spec=None)], RolloutStats(10.0, 1000, speculated=arm == "spec",
@@ -708,12 +708,12 @@ def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_m
         cot.buffer._rows += 1  # new held-out answers every step (measured afresh)
         return cot.end_step(train=False)
 
-    for arm in ["spec"] * 6 + ["plain"] * 6:  # speculation at half plain's speed: plain chosen at E = 1.4
-        step(arm, 10.0 if arm == "spec" else 5.0)
-    assert choice.speculate is False and choice.decisions == 1
+    for _ in range(12):  # speculation at half plain's speed: plain chosen at E = 1.4 (6 speculating, 3 pairs)
+        step(choice.arm(), 10.0 if choice.arm() == "spec" else 5.0)
+    assert choice.speculate is False and choice.decisions == 1 and choice.pairs == [0.5] * 3
     value["e"] = 3.0  # predicted 0.5 * 3.0 / 1.4 = 1.07 >= 1.05: time speculation again
     assert step("plain", 5.0).get("sched/run_recheck") == "spec" and choice.queue
-    for _ in range(6):  # the re-timed block: still half plain's speed
+    for _ in range(6):  # the re-timed block, 3 pairs: still half plain's speed
         if choice.queue:
             step(choice.arm(), 10.0 if choice.arm() == "spec" else 5.0)
     assert choice.speculate is False and choice.decisions == 2
@@ -747,11 +747,12 @@ def test_an_idle_draft_is_measured_only_as_often_as_its_share_of_the_step_allows
 
     monkeypatch.setattr(cot, "_heldout_value", heldout)
     spec = SimpleNamespace(spec=None)
-    for arm in ["spec"] * 6 + ["plain"] * 6:  # speculation timed slower: plain decoding is chosen
+    for _ in range(12):  # speculation timed slower: plain decoding is chosen
+        arm = cot.run_choice.arm()
         cot.begin_step()
         cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
         cot.end_step(train=False)
-    assert cot.run_choice.speculate is False
+    assert cot.run_choice.speculate is False and cot.run_choice.pairs == [0.5] * 3
     gen = torch.Generator().manual_seed(1)
     measured = []
     for _ in range(12):

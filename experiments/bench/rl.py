@@ -18,9 +18,11 @@ rotating from segment to segment, all in one process:
   online-zN     online with the value rule counting each candidate's held-out gain less N of its
                 standard errors (DraftBudgetConfig.gain_z; the configuration's is
                 presets.GAIN_Z): online-z0 counts the measured gain, noise and all
-  frozen-paired / online-paired (frozen-paired-b, a second frozen-paired run): the run choice
-                timing the arm not chosen in pairs next to the chosen arm's rollouts
-                (ControllerConfig.run_paired), where the preset times one block of each
+  frozen-blocks / online-blocks (frozen-blocks-b, a second frozen-blocks run): the run choice
+                timing one block of each arm and comparing their medians, where the preset
+                times the arm not chosen in pairs next to the chosen arm's rollouts
+                (ControllerConfig.run_paired); frozen-paired / online-paired / frozen-paired-b
+                set the pairs explicitly (the preset's choice since they became its default)
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -95,7 +97,8 @@ from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
 
 ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "frozen-b", "history",
-        "hybrid", "history-sib", "history-past", "hybrid-tree", "frozen-paired", "online-paired", "frozen-paired-b")
+        "hybrid", "history-sib", "history-past", "hybrid-tree", "frozen-paired", "online-paired", "frozen-paired-b",
+        "frozen-blocks", "online-blocks", "frozen-blocks-b")
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
@@ -145,8 +148,8 @@ def arm_setup(arm: str, preset):
                                                                          history=history))
     if arm.endswith("-fixed"):
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
-    if "-paired" in arm:
-        controller = dataclasses.replace(preset.cotrain.controller, run_paired=True)
+    if "-paired" in arm or "-blocks" in arm:
+        controller = dataclasses.replace(preset.cotrain.controller, run_paired="-paired" in arm)
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, controller=controller))
     if arm.endswith("-unpriced"):
         preset = dataclasses.replace(preset, cotrain=unbudgeted(preset.cotrain))
