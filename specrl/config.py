@@ -306,9 +306,10 @@ class ControllerConfig:
     alpha_tokens: int = 16
     """Drafted tokens one observation needs to move alpha by a full `ema`."""
     run_rollouts: int = 3
-    """Rollouts timed speculating, then as many decoding plainly, before the run keeps the faster
-    (specrl.controller.RunChoice): above the per-step controller on the embedded engine, instead
-    of it on vLLM 0.32, which cannot switch its drafter off step by step; 0: no such choice."""
+    """Rollouts timed speculating, then as many decoding plainly (each beside a speculating one
+    where `run_paired`), before the run keeps the faster (specrl.run_choice.RunChoice): above
+    the per-step controller on the embedded engine, instead of it on vLLM 0.32, which cannot
+    switch its drafter off step by step; 0: no such choice."""
     run_warmup: int = 3
     """Rollouts played but not timed at the start of each of those blocks on vLLM (after its
     restart), of the first block only on the embedded engine (while its per-step controller
