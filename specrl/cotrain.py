@@ -232,12 +232,15 @@ class SpecCoTrainer:
         return saved
 
     # -- RL loop hooks --------------------------------------------------------------------
-    def begin_step(self) -> None:
+    def begin_step(self, steps_left: int | None = None) -> None:
         """Open an RL step: the run choice switches the engine's speculation on or off for its
-        rollout, and the step's draft-time accounting starts."""
+        rollout, and the step's draft-time accounting starts. `steps_left`: the RL steps still to
+        run, this one included, where the loop knows (one rollout each; the run choice starts no
+        re-check its choice could not pay back, RunChoice.calls_left); None: open-ended."""
         if not self.enabled:
             return
         if self.run_choice is not None:
+            self.run_choice.calls_left = steps_left
             self.engine.set_speculation(self.run_choice.arm() == "spec")
         self.scheduler.begin_step()
         self._draft_steps_this_rl_step = 0
@@ -277,6 +280,7 @@ class SpecCoTrainer:
             self._rollout_metrics["rollout/spec_run_choice"] = (None if self.run_choice.speculate is None
                                                                 else int(self.run_choice.speculate))
             self._rollout_metrics["rollout/spec_run_speedup"] = self.run_choice.chosen_speedup
+            self._rollout_metrics["rollout/spec_run_rechecks_skipped"] = self.run_choice.skipped  # near the run's end
         self._faults_seen = len(self.engine.draft_faults)
         if self.history is not None:  # per-source acceptance of this rollout, then its answers join the history
             self._rollout_metrics.update(self.history.metrics())
@@ -512,8 +516,9 @@ class SpecCoTrainer:
         predicted = choice.chosen_speedup * e / self._choice_heldout
         if (predicted >= choice.margin) == choice.speculate:
             return
-        self._recheck = "spec" if predicted >= choice.margin else "plain"
         choice.recheck_now()
+        if choice.queue:  # not started where the run ends too soon for it (RunChoice.calls_left)
+            self._recheck = "spec" if predicted >= choice.margin else "plain"
 
     # -- internals ------------------------------------------------------------------------
     def _tail_hook(self, n_active: int, n_slots: int) -> None:

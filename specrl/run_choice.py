@@ -30,7 +30,11 @@ class RunChoice:
 
     `recheck` > 0: the arm not chosen is timed again (one block) `recheck` rollouts after a
     choice, and each re-check that leaves the choice as it was doubles the wait, up to BACKOFF
-    times: the policy and the draft drift. Without it the first choice is final.
+    times: the policy and the draft drift. Without it the first choice is final. `calls_left`,
+    where the owner knows the run's length (the generate() calls still to come, counting the next
+    one; None: open-ended): a re-check, periodic or asked for, is not started unless at least as
+    many calls follow its block as the block holds. A choice made later would serve fewer
+    rollouts than it cost to time, and in the run's last rollouts none at all.
 
     `paired` (a free switch only, so without `rewarm`): the plain rollouts are timed in *pairs*,
     each next to a speculating one (the arm not chosen first), and the choice is the median of
@@ -67,6 +71,9 @@ class RunChoice:
         # the calls still to time, in order: (arm, timed, paired); a warm-up call is played, not timed
         self.queue = self._block("spec", self.warmup, alone=True) + self._block("plain", self.warmup if self.rewarm else 0)
         self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
+        self.calls_left: int | None = None  # set by the owner before each call where the run's length is known
+        self.skipped = 0  # calls after which a re-check was due and not started: too few calls left
+        self._skipped_at = -1
 
     def _block(self, arm: str, warmup: int, alone: bool = False) -> list:
         """The calls that time `arm`: `warmup` untimed, then `rollouts` timed, each followed by one
@@ -110,8 +117,14 @@ class RunChoice:
             self._time_other()
 
     def _time_other(self) -> None:
-        """Queue a block timing the arm not chosen (a paired block starts its list of ratios afresh)."""
-        self.queue = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+        """Queue a block timing the arm not chosen (a paired block starts its list of ratios afresh),
+        unless too few calls are left for its choice to serve (`calls_left`)."""
+        block = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
+        if self.calls_left is not None and self.calls_left - 1 < 2 * len(block):  # calls after the one recorded
+            self.skipped += self._skipped_at != self.calls  # once per call, however often it is asked
+            self._skipped_at = self.calls
+            return
+        self.queue = block
         self.pairs, self._half = [], None
 
     def _pair(self, arm: str, rate: float | None) -> None:
@@ -171,14 +184,15 @@ class RunChoice:
     def summary(self) -> dict:
         return {"speculate": self.speculate, "speedup": self.chosen_speedup, "rollouts": self.rollouts,
                 "warmup": self.warmup, "calls": self.calls, "tokens_per_s": {k: list(v) for k, v in self.rates.items()},
-                "estimated_speedup": list(self.estimated), "paired": self.paired, "pair_speedups": list(self.pairs)}
+                "estimated_speedup": list(self.estimated), "paired": self.paired, "pair_speedups": list(self.pairs),
+                "rechecks_skipped_at_end": self.skipped}
 
     def state_dict(self) -> dict:
         # rollouts, warmup, margin, recheck, sure and rewarm come from the config
         return {"calls": self.calls, "rates": {k: list(v) for k, v in self.rates.items()}, "speculate": self.speculate,
                 "chosen_speedup": self.chosen_speedup, "estimated": list(self.estimated),
                 "queue": [list(q) for q in self.queue], "since": self.since, "interval": self.interval,
-                "decisions": self.decisions, "pairs": list(self.pairs),
+                "decisions": self.decisions, "pairs": list(self.pairs), "skipped": self.skipped,
                 "half": list(self._half) if self._half is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
@@ -195,6 +209,7 @@ class RunChoice:
         self.since, self.interval = int(state.get("since", 0)), int(state.get("interval", self.recheck))
         self.decisions = int(state.get("decisions", int(self.speculate is not None)))
         self.pairs = [float(x) for x in state.get("pairs", [])]
+        self.skipped = int(state.get("skipped", 0))
         half = state.get("half")
         self._half = (str(half[0]), half[1]) if half is not None else None
 
@@ -202,9 +217,10 @@ class RunChoice:
 def choice_history(rows) -> dict | None:
     """An RL run's per-rollout choice, from its metric rows (`rollout/spec_run_choice`: 1, 0, or
     None while its first rollouts are timed): the choice at the end, the speed-up it was made on,
-    the step it was first made, the steps where a re-check changed it and how many steps ended
-    with speculation chosen (`speculating_steps`; where it cannot pay, each is a wrong one). None
-    for a run without a choice per rollout."""
+    the step it was first made, the steps where a re-check changed it, how many steps ended
+    with speculation chosen (`speculating_steps`; where it cannot pay, each is a wrong one) and
+    the re-checks not started because the run was about to end. None for a run without a choice
+    per rollout."""
     rows = [r for r in rows if "rollout/spec_run_choice" in r]
     if not rows:
         return None
@@ -214,7 +230,8 @@ def choice_history(rows) -> dict | None:
             "decided_at_step": decided[0]["step"] if decided else None,
             "changed_at_steps": [r["step"] for p, r in zip(decided, decided[1:])
                                  if r["rollout/spec_run_choice"] != p["rollout/spec_run_choice"]],
-            "speculating_steps": sum(1 for r in decided if r["rollout/spec_run_choice"])}
+            "speculating_steps": sum(1 for r in decided if r["rollout/spec_run_choice"]),
+            "rechecks_skipped_at_end": rows[-1].get("rollout/spec_run_rechecks_skipped", 0)}
 
 
 def describe(history: dict | None) -> str:
@@ -228,6 +245,8 @@ def describe(history: dict | None) -> str:
     line = f"speculation for the run {'kept' if first else 'switched off'} at step {history['decided_at_step']}"
     if changes:
         line += f", changed at steps {changes}, {'on' if history['speculate'] else 'off'} at the end"
+    if history.get("rechecks_skipped_at_end"):
+        line += f", {history['rechecks_skipped_at_end']} re-check(s) near the run's end not started"
     speedup = history.get("speedup")
     timed = f"x{speedup:.3f}" if speedup is not None else "not timed: the estimate was sure"
     return f"{line} (speculating over plain, tokens/s: {timed})"

@@ -89,7 +89,7 @@ def rl_step(run: RLRun, step: int) -> dict:
     """
     preset, tokenizer, rollout, cotrain = run.preset, run.tokenizer, run.engine, run.cotrain
     clock = StepClock()
-    cotrain.begin_step()
+    cotrain.begin_step(steps_left=preset.rl_steps - step)
     examples = step_examples(run.task, run.pool, preset, run.seed, step)
     ids = [step * len(examples) + i for i in range(len(examples))]
     trajs = generate_step(rollout, encode_prompts(tokenizer, examples), rollout_params(preset, tokenizer, run.seed),

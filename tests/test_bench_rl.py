@@ -378,7 +378,8 @@ def test_a_run_choice_is_reported_with_the_step_it_was_made():
             "frozen": [row(0), row(1), row(2, 0, 0.84), row(3, 0, 0.84)]}
     s = summarize(rows, [(0, 4)], warmup=1)
     assert s["arms"]["frozen"]["run_choice"] == {"speculate": False, "speedup": 0.84, "decided_at_step": 2,
-                                                 "changed_at_steps": [], "speculating_steps": 0}
+                                                 "changed_at_steps": [], "speculating_steps": 0,
+                                                 "rechecks_skipped_at_end": 0}
     assert "run_choice" not in s["arms"]["off"]
     lines = report({"preset": "p", "steps": 4, "segment": 4, "warmup_steps": 1, "engines": {"vllm": s}})
     assert any("switched off at step 2" in x and "x0.840" in x for x in lines)

@@ -489,6 +489,48 @@ def test_a_paired_run_choice_reads_a_slow_spell_as_the_machine_not_as_an_arm():
         RunChoice(2, paired=True)  # rewarm: every switch restarts the engine, pairs would restart it every call
 
 
+def test_the_run_choice_starts_no_recheck_the_run_cannot_pay_back():
+    """`calls_left`: a re-check (periodic, or asked for by the owner) is started only where at
+    least as many calls follow its block as the block holds. A 20-call run whose re-check falls at
+    call 15 keeps speculating to its end, where an open-ended one times its plain pairs there."""
+    from specrl.run_choice import RunChoice, choice_history, describe
+
+    fast = {"spec": lambda i: 130.0, "plain": lambda i: 100.0}
+
+    def run(total, calls_known):
+        choice = RunChoice(2, warmup=1, margin=1.05, recheck=10, rewarm=False, paired=True)
+        arms = []
+        for i in range(total):
+            choice.calls_left = total - i if calls_known else None
+            arm = choice.arm()
+            arms.append(arm)
+            choice.record(arm, int(fast[arm](i)), 1.0)
+        return choice, arms
+
+    open_ended, arms = run(20, calls_known=False)  # chosen at call 7; re-check at 17: plain pairs at 17 and 19
+    assert arms[7:] == ["spec"] * 10 + ["plain", "spec", "plain"] and open_ended.skipped == 0
+    ending, arms = run(20, calls_known=True)
+    assert arms[7:] == ["spec"] * 13 and ending.skipped == 1 and ending.speculate is True
+    longer, arms = run(40, calls_known=True)  # 23 calls after the re-check: time enough for its 4
+    assert arms[17:21] == ["plain", "spec", "plain", "spec"] and longer.skipped == 0
+    asked = RunChoice(2, warmup=1, margin=1.05, recheck=10, rewarm=False, paired=True)
+    for i in range(7):
+        asked.record(asked.arm(), int(fast[asked.arm()](i)), 1.0)
+    asked.calls_left = 8  # 7 calls after this one, fewer than the block's 4 and as many after it
+    asked.recheck_now()
+    assert asked.queue == [] and asked.skipped == 1
+    asked.calls_left = 9
+    asked.recheck_now()
+    assert len(asked.queue) == 4
+    again = RunChoice(2, warmup=1, margin=1.05, recheck=10, rewarm=False, paired=True)
+    again.load_state_dict(ending.state_dict())
+    assert again.skipped == 1
+    rows = [{"step": 0, "rollout/spec_run_choice": 1, "rollout/spec_run_rechecks_skipped": 0},
+            {"step": 1, "rollout/spec_run_choice": 1, "rollout/spec_run_rechecks_skipped": 1}]
+    history = choice_history(rows)
+    assert history["rechecks_skipped_at_end"] == 1 and "1 re-check(s) near the run's end" in describe(history)
+
+
 def test_an_engine_without_a_step_controller_gets_the_run_choice():
     """The co-trainer hands an adaptive run's decision to an engine that takes no per-step
     controller but a run choice (vLLM), and warns where the engine takes neither."""

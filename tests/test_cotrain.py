@@ -544,6 +544,27 @@ def test_a_warmup_probe_is_read_as_the_gain_of_full_rate_updates(tiny_model, mon
     assert engine.pushed and cot.budget.gain == pytest.approx(0.03 / 0.3)
 
 
+def _choose_plain(cot, after_rollout=None) -> None:
+    """Play `cot`'s run choice through its first choice (3 warm-up and 3 timed speculating
+    rollouts, then 3 pairs: the configuration's) with speculation at 10 s and plain decoding at
+    5 s per 1000 tokens, so that plain decoding is chosen. `after_rollout(arm)` runs between each
+    rollout and its step's end."""
+    from types import SimpleNamespace
+
+    from rollout.protocol import Rollout, RolloutStats
+
+    choice, spec = cot.run_choice, SimpleNamespace(spec=None)
+    for _ in range(12):
+        arm = choice.arm()
+        cot.begin_step()
+        cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
+        if after_rollout is not None:
+            after_rollout(arm)
+        cot.end_step(train=False)
+    assert choice.paired and choice.pairs == [0.5] * 3
+    assert choice.speculate is False and not choice.queue
+
+
 def test_a_stale_draft_trains_while_plain_decoding_is_chosen_and_speculation_comes_back_once_it_pays(
         tiny_model, monkeypatch):
     """Speculation was switched off for the run (the draft went stale: plain is faster). The
@@ -573,19 +594,11 @@ def test_a_stale_draft_trains_while_plain_decoding_is_chosen_and_speculation_com
     monkeypatch.setattr(cot.draft_trainer, "train_for", trained)
     monkeypatch.setattr(cot, "_heldout_value", heldout)
     monkeypatch.setattr(engine, "push_draft", push)
-    choice = cot.run_choice
     # speculation timed at 10 s per 1000 tokens with accept length 1.4, plain at 5 s: plain is chosen
     # (a verify step costs 1.4 x 10 / 1000 s, so speculation pays from accept length 2.8 on, by the
     # run choice's margin of 1.05 from 2.94)
+    _choose_plain(cot, lambda arm: cot.budget.observe_rollout(1000, 10.0, True, 1.4, None) if arm == "spec" else None)
     spec = SimpleNamespace(spec=None)
-    for _ in range(12):  # 3 warm-up and 3 timed speculating rollouts, then 3 pairs (the configuration's)
-        arm = choice.arm()
-        cot.begin_step()
-        cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
-        cot.budget.observe_rollout(1000, 10.0, True, 1.4, None) if arm == "spec" else None
-        cot.end_step(train=False)
-    assert choice.paired and choice.pairs == [0.5] * 3
-    assert choice.speculate is False and not choice.queue
     trained_while_plain, back, pays_from = 0, None, None
     for step in range(8):  # within the periodic re-check's wait (ControllerConfig.run_recheck = 10)
         cot.begin_step()
@@ -702,15 +715,17 @@ def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_m
     monkeypatch.setattr(cot, "_heldout_value", lambda draft, sums=None: value["e"])
     choice, spec = cot.run_choice, SimpleNamespace(spec=None)
 
-    def step(arm, seconds):
-        cot.begin_step()
-        cot.on_rollout(Rollout([spec], RolloutStats(seconds, 1000, speculated=arm == "spec")))
+    def new_answers(arm=None):
         cot.buffer._rows += 1  # new held-out answers every step (measured afresh)
+
+    def step(arm, seconds, steps_left=None):
+        cot.begin_step(steps_left)
+        cot.on_rollout(Rollout([spec], RolloutStats(seconds, 1000, speculated=arm == "spec")))
+        new_answers()
         return cot.end_step(train=False)
 
-    for _ in range(12):  # speculation at half plain's speed: plain chosen at E = 1.4 (6 speculating, 3 pairs)
-        step(choice.arm(), 10.0 if choice.arm() == "spec" else 5.0)
-    assert choice.speculate is False and choice.decisions == 1 and choice.pairs == [0.5] * 3
+    _choose_plain(cot, new_answers)  # speculation at half plain's speed: plain chosen at E = 1.4
+    assert choice.decisions == 1
     value["e"] = 3.0  # predicted 0.5 * 3.0 / 1.4 = 1.07 >= 1.05: time speculation again
     assert step("plain", 5.0).get("sched/run_recheck") == "spec" and choice.queue
     for _ in range(6):  # the re-timed block, 3 pairs: still half plain's speed
@@ -720,7 +735,9 @@ def test_a_recheck_the_measurement_contradicts_is_not_repeated_until_the_draft_m
     rechecks = [step("plain", 5.0).get("sched/run_recheck") for _ in range(5)]
     assert rechecks == [None] * 5  # the draft has not moved since: no block of slow rollouts again
     value["e"] = 6.5  # twice better than when it was last measured: predicted 0.5 * 6.5 / 3.0
-    assert step("plain", 5.0).get("sched/run_recheck") == "spec"
+    assert step("plain", 5.0, steps_left=8).get("sched/run_recheck") is None  # 7 rollouts left: too few
+    assert not choice.queue and choice.skipped == 1
+    assert step("plain", 5.0).get("sched/run_recheck") == "spec" and choice.queue
 
 
 @pytest.mark.parametrize("share", [0.01, 1.0])
@@ -747,12 +764,7 @@ def test_an_idle_draft_is_measured_only_as_often_as_its_share_of_the_step_allows
 
     monkeypatch.setattr(cot, "_heldout_value", heldout)
     spec = SimpleNamespace(spec=None)
-    for _ in range(12):  # speculation timed slower: plain decoding is chosen
-        arm = cot.run_choice.arm()
-        cot.begin_step()
-        cot.on_rollout(Rollout([spec], RolloutStats(10.0 if arm == "spec" else 5.0, 1000, speculated=arm == "spec")))
-        cot.end_step(train=False)
-    assert cot.run_choice.speculate is False and cot.run_choice.pairs == [0.5] * 3
+    _choose_plain(cot)
     gen = torch.Generator().manual_seed(1)
     measured = []
     for _ in range(12):
