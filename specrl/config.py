@@ -316,7 +316,9 @@ class ControllerConfig:
     explores)."""
     run_recheck: int = 10
     """Embedded engine: rollouts after a run choice before the other arm is timed again, doubling
-    while the choice holds (up to 8x); 0: the first choice is final (always so on vLLM)."""
+    while the choice holds (up to 8x); 0: the first choice is final (always so on vLLM). A loop that
+    passes the steps left (SpecCoTrainer.begin_step) gets no re-check within the run's last
+    rollouts, where its choice could not pay back its block."""
     run_sure: float = 1.25
     """Embedded engine: keep speculating without timing plain rollouts while the per-step
     controller estimates each timed speculating rollout at least this much faster than plain."""

@@ -58,6 +58,22 @@ def test_resume_restores_cotraining_state(runs, tmp_path):
     assert state["cotrain"]["draft_trainer"]["version"] == rows[-1]["train/draft_version"]
 
 
+def test_train_rl_tells_the_cotrainer_the_steps_left(sft_policy, tmp_path, monkeypatch):
+    """Each RL step opens with the steps still to run, that one included (the run choice starts no
+    re-check the run cannot pay back, RunChoice.calls_left)."""
+    seen = []
+    begin = SpecCoTrainer.begin_step
+
+    def spy(self, steps_left=None):
+        seen.append(steps_left)
+        return begin(self, steps_left)
+
+    monkeypatch.setattr(SpecCoTrainer, "begin_step", spy)
+    train_rl("arith", "ci", tmp_path / "run", seed=3, steps=3, cache_dir=sft_policy[3], progress=False, spec="frozen",
+             log=lambda *a: None)
+    assert seen == [3, 2, 1]
+
+
 def test_disabled_plugin_leaves_engine_and_trainer_untouched(tiny_model):
     from target_training.grpo import GRPOConfig, GRPOTrainer
 
