@@ -13,15 +13,20 @@ for chain g; the best chain is played only when it beats plain by `margin`, so b
 from costs: the textbook speed-up assumes verifying g+1 tokens costs one target step, which an
 MoE target does not honour, by a factor that depends on the batch size (docs/design.md section 4).
 
-Acceptance. accept_len(g) = E(alpha, g) * r_g. Alpha is inverted from accepted / drafted through
+Acceptance. accept_len(g) = E(alpha_b, g) * r_g. Alpha is inverted from accepted / drafted through
 the chain model (so it does not depend on the gamma it was observed at), its EMAs weighted by
-drafted tokens (one sequence drafting one token is a coin flip, not a trend). Being shared, it
-lets a collapse seen on the arm being played lower every estimate at once when the policy drifts
-from the draft, so speculation switches off instead of trying each stale gamma in turn. r_g, the
-arm's measured / modelled accept length in the bucket, absorbs what the iid model gets wrong
-(acceptance falling with depth, tree budgets standing in for gammas, harder tail sequences); its
-memory is 1/ema times alpha's and it is shrunk toward 1 while few drafted tokens back it, so an
-arm is not abandoned for good after one unlucky dip.
+drafted tokens (one sequence drafting one token is a coin flip, not a trend). Each bucket keeps
+its own (alpha_b), shrunk toward the one all buckets share while few drafted tokens back it.
+One alpha for every bucket swings within each rollout: the full batch's young answers accept
+more than the tail's few long ones, and the tail's steps come last, so a shared alpha read at the
+next rollout's full-batch steps is the tail's, and it chose chains of 2 where chains of 4-6 ran
+16% faster (docs/results.md, "The step controller's chains at the RL batch"). Shared by the
+gammas of its bucket, alpha_b lets a collapse seen on the arm being played lower every estimate
+of the bucket at once when the policy drifts from the draft, so speculation switches off instead
+of trying each stale gamma in turn. r_g, the arm's measured / modelled accept length in the
+bucket, absorbs what the iid model gets wrong (acceptance falling with depth, tree budgets
+standing in for gammas); its memory is 1/ema times alpha's and it is shrunk toward 1 while few
+drafted tokens back it, so an arm is not abandoned for good after one unlucky dip.
 
 Step times. A speculative step is a verify forward and g draft steps, so per bucket t_spec(g) is
 close to a line a + b g, fitted to the chains measured `min_samples` times. Exploration therefore
@@ -232,6 +237,7 @@ class _Bucket:
 
     def forget_acceptance(self, gammas) -> None:
         """New acceptance EMAs, and no re-measurement pending: one was chosen on what is forgotten."""
+        self.alpha = _Alpha()  # this bucket's per-token acceptance
         self.acc = {g: _Ema() for g in gammas}  # measured tokens emitted per sequence per step
         self.fit = {g: _Ema() for g in gammas}  # the same, slow and weighted by drafted tokens
         self.model = {g: _Ema() for g in gammas}  # E(alpha, g) at the same samples, same weights
@@ -249,12 +255,13 @@ class _Bucket:
         counters = [self.decisions, self.rr, self.since, self.rotate, self.interval, self.last_best,
                     self.re_arm, self.re_left]
         return {"plain": self.plain.state(), "counters": counters, "growth": self.growth.state(),
-                "context": self.context, **per_arm}
+                "context": self.context, "alpha": self.alpha.state(), **per_arm}
 
     def load(self, s: dict) -> None:
         self.plain = _StepTime(*s["plain"])  # a saved state without `recent`: empty
         self.growth = _Growth(*s.get("growth", ()))  # a saved state without `growth`: k = 0
         self.context = s.get("context")
+        self.alpha = _Alpha(s.get("alpha"))  # a saved state without one: the shared alpha stands in
         for k in _PER_ARM:
             kind = _StepTime if k == "spec" else _Ema
             setattr(self, k, {int(g): kind(*v) for g, v in s[k].items()})
@@ -376,9 +383,10 @@ class SpeculationController:
             return
         b.acc[gamma].update(tokens_emitted_per_seq, cfg.ema)
         self.alpha.update(accepted, drafted, n_active, cfg.ema, cfg.alpha_tokens)
+        b.alpha.update(accepted, drafted, n_active, cfg.ema, cfg.alpha_tokens)
         w = cfg.ema * cfg.ema * min(1.0, drafted / cfg.alpha_tokens)  # 1/ema times alpha's memory
         b.fit[gamma].update(tokens_emitted_per_seq, w, drafted)
-        b.model[gamma].update(expected_accept_length(self.alpha.value, gamma), w, drafted)
+        b.model[gamma].update(expected_accept_length(self._alpha(b), gamma), w, drafted)
 
     def reset_acceptance(self) -> None:
         """Forget acceptance (after a draft hot swap or a big policy change); costs are kept.
@@ -428,16 +436,23 @@ class SpeculationController:
             return max(line[0] + line[1] * g, 1e-9)
         return e.value if e.n else None
 
+    def _alpha(self, b: _Bucket) -> float:
+        """The bucket's per-token acceptance, shrunk toward the shared one until it rests on
+        min_samples * alpha_tokens drafted tokens."""
+        prior = self.config.min_samples * self.config.alpha_tokens
+        own = b.alpha.ratio.mass if b.alpha.n else 0.0
+        return (own * (b.alpha.value if own else 0.0) + prior * self.alpha.value) / (own + prior)
+
     def _accept_len(self, b: _Bucket, g: int) -> float | None:
-        """E(alpha_now, g) times this arm's measured / modelled ratio (slow memory), shrunk
+        """E(alpha_b, g) times this arm's measured / modelled ratio (slow memory), shrunk
         toward 1 until it rests on min_samples * alpha_tokens drafted tokens. Without any alpha
         yet: the measured EMA, or None."""
-        fit, alpha = b.fit[g], self.alpha
-        if not alpha.n:
+        fit = b.fit[g]
+        if not self.alpha.n:
             return b.acc[g].value if b.acc[g].n else None
         ratio = fit.value / max(b.model[g].value, 1e-12) if fit.n else 1.0
         prior = self.config.min_samples * self.config.alpha_tokens
-        return (fit.mass * ratio + prior) / (fit.mass + prior) * expected_accept_length(alpha.value, g)
+        return (fit.mass * ratio + prior) / (fit.mass + prior) * expected_accept_length(self._alpha(b), g)
 
     def _rates(self, b: _Bucket) -> tuple[float | None, dict]:
         """Per-sequence tokens per second of plain decoding and of each measured gamma."""
@@ -468,6 +483,7 @@ class SpeculationController:
             h = b.growth.factor(b.context)  # seconds are reported at the bucket's last context
             out["buckets"][key] = {
                 "gamma": chosen, "exploring": exploring, "decisions": b.decisions,
+                "alpha": self._alpha(b) if self.alpha.n else None,
                 "context": b.context, "context_growth": b.growth.k,
                 "t_plain_s": b.plain.value * h if b.plain.n else None,
                 "t_spec_s": {g: e.value * h for g, e in b.spec.items() if e.n},

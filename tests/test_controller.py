@@ -205,21 +205,38 @@ def test_acceptance_collapse_switches_speculation_off():
     assert realized_speedup(after, 4, 0.1, moe_spec_cost) >= 0.97
 
 
-def test_collapse_seen_in_one_bucket_reaches_the_others_via_alpha():
+def test_a_bucket_without_acceptance_of_its_own_starts_from_the_shared_alpha():
     def batch1_after_collapse(collapse_first: bool):
         ctrl = SpeculationController()
         rng = random.Random(4)
-        run(ctrl, 1, 300, moe_spec_cost, 0.8, rng)
         run(ctrl, 4, 300, moe_spec_cost, 0.8, rng)
         if collapse_first:
             run(ctrl, 4, 60, moe_spec_cost, 0.0, rng)
         return run(ctrl, 1, 200, moe_spec_cost, 0.0, rng)
 
     informed, blind = batch1_after_collapse(True), batch1_after_collapse(False)
-    # batch 1 never measured the collapse itself, yet starts from the lowered alpha
+    # batch 1 never measured acceptance itself, and starts from the alpha the collapse lowered
     assert realized_speedup(informed[:30], 1, 0.0, moe_spec_cost) > realized_speedup(blind[:30], 1, 0.0, moe_spec_cost)
     for choices in (informed, blind):
         assert realized_speedup(choices[50:], 1, 0.0, moe_spec_cost) >= 0.98
+
+
+def test_the_full_batch_reads_its_own_acceptance_not_the_tails():
+    """An RL rollout starts at the full batch, whose young answers accept well (alpha 0.87), and
+    ends in a long tail of a few long answers that accept poorly (0.3). One alpha shared by every
+    bucket is the tail's when the next rollout's full-batch steps read it, and chose chains of 2
+    there where 6 run fastest; each bucket's own alpha keeps the full batch on its best chain."""
+    ctrl = SpeculationController(ControllerConfig(gammas=(1, 2, 3, 4, 5, 6)))
+    rng = random.Random(6)
+    full = []
+    for _ in range(12):  # rollouts: 15 steps at the full batch, then 60 in the tail
+        full += run(ctrl, 64, 15, cheap_spec_cost, 0.87, rng)
+        run(ctrl, 2, 60, cheap_spec_cost, 0.3, rng)
+    best = max(range(1, 7), key=lambda g: true_speedup(64, g, 0.87, cheap_spec_cost))
+    assert best == 6
+    late = full[-60:]  # the last 4 rollouts' full-batch steps
+    assert sum(g >= 5 for g in late) >= 0.8 * len(late), late
+    assert realized_speedup(late, 64, 0.87, cheap_spec_cost) >= 0.95 * true_speedup(64, 6, 0.87, cheap_spec_cost)
 
 
 def test_reset_acceptance_reexplores_and_recovers():
