@@ -20,7 +20,7 @@ its own (alpha_b), shrunk toward the one all buckets share while few drafted tok
 One alpha for every bucket swings within each rollout: the full batch's young answers accept
 more than the tail's few long ones, and the tail's steps come last, so a shared alpha read at the
 next rollout's full-batch steps is the tail's, and it chose chains of 2 where chains of 4-6 ran
-16% faster (docs/results.md, "The step controller's chains at the RL batch"). Shared by the
+15-20% faster than those (docs/results.md, "The step controller's chains at the RL batch"). Shared by the
 gammas of its bucket, alpha_b lets a collapse seen on the arm being played lower every estimate
 of the bucket at once when the policy drifts from the draft, so speculation switches off instead
 of trying each stale gamma in turn. r_g, the arm's measured / modelled accept length in the
