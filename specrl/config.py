@@ -305,6 +305,11 @@ class ControllerConfig:
     """Batch-size buckets (n_active rounded up), each with its own estimates."""
     alpha_tokens: int = 16
     """Drafted tokens one observation needs to move alpha by a full `ema`."""
+    bucket_alpha: bool = True
+    """Each batch-size bucket estimates its chains' accept lengths from its own per-token
+    acceptance (shrunk toward the shared one while it has drafted few tokens); False: from the
+    one acceptance all buckets share, which a rollout's tail pulls down before the next
+    rollout's full batch reads it (`bench rl`'s `-shared` arms measure the difference)."""
     run_rollouts: int = 3
     """Rollouts timed speculating, then as many decoding plainly (each beside a speculating one
     where `run_paired`), before the run keeps the faster (specrl.run_choice.RunChoice): above

@@ -439,6 +439,8 @@ class SpeculationController:
     def _alpha(self, b: _Bucket) -> float:
         """The bucket's per-token acceptance, shrunk toward the shared one until it rests on
         min_samples * alpha_tokens drafted tokens."""
+        if not self.config.bucket_alpha:
+            return self.alpha.value
         prior = self.config.min_samples * self.config.alpha_tokens
         own = b.alpha.ratio.mass if b.alpha.n else 0.0
         return (own * (b.alpha.value if own else 0.0) + prior * self.alpha.value) / (own + prior)

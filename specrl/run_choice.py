@@ -246,7 +246,7 @@ def describe(history: dict | None) -> str:
     if changes:
         line += f", changed at steps {changes}, {'on' if history['speculate'] else 'off'} at the end"
     if history.get("rechecks_skipped_at_end"):
-        line += f", {history['rechecks_skipped_at_end']} re-check(s) near the run's end not started"
+        line += f", no re-check in the run's last rollouts ({history['rechecks_skipped_at_end']} due)"
     speedup = history.get("speedup")
     timed = f"x{speedup:.3f}" if speedup is not None else "not timed: the estimate was sure"
     return f"{line} (speculating over plain, tokens/s: {timed})"

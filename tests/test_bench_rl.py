@@ -237,6 +237,11 @@ def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_med
         got, blocks = arm_setup(arm, base)  # the run choice timed in blocks, nothing else changed
         assert got == mode and not blocks.cotrain.controller.run_paired
         assert dataclasses.replace(blocks.cotrain.controller, run_paired=True) == base.cotrain.controller
+    assert base.cotrain.controller.bucket_alpha  # the configuration: each batch size its own acceptance
+    for arm, mode in (("frozen-shared", "frozen"), ("online-shared", "online")):
+        got, shared = arm_setup(arm, base)  # one acceptance for every batch size, nothing else changed
+        assert got == mode and not shared.cotrain.controller.bucket_alpha
+        assert dataclasses.replace(shared.cotrain.controller, bucket_alpha=True) == base.cotrain.controller
     for arm, mode in (("frozen-paired", "frozen"), ("frozen-paired-b", "frozen"), ("online-paired", "online")):
         assert arm_setup(arm, base) == (mode, base)  # pairs set explicitly: the preset itself
     mode, z2 = arm_setup("online-z2", base)  # online with gains counted less 2 standard errors, nothing else

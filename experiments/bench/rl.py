@@ -23,6 +23,8 @@ rotating from segment to segment, all in one process:
                 times the arm not chosen in pairs next to the chosen arm's rollouts
                 (ControllerConfig.run_paired); frozen-paired / online-paired / frozen-paired-b
                 set the pairs explicitly (the preset's choice since they became its default)
+  frozen-shared / online-shared: the step controller reading one acceptance for every batch size
+                (ControllerConfig.bucket_alpha False), where the preset's reads each bucket's own
   frozen-fixed  / online-fixed: the same with the preset's chain at every engine step, where the
                 preset speculates adaptively (specrl.controller: plain decoding where a verify
                 step costs more than it saves, chains in the long tail)
@@ -98,7 +100,7 @@ from specrl.run_dir import RUN_FILE, RunDirError
 
 ARMS = ("off", "frozen", "online", "online-unpriced", "frozen-fixed", "online-fixed", "off-b", "frozen-b", "history",
         "hybrid", "history-sib", "history-past", "hybrid-tree", "frozen-paired", "online-paired", "frozen-paired-b",
-        "frozen-blocks", "online-blocks", "frozen-blocks-b")
+        "frozen-blocks", "online-blocks", "frozen-blocks-b", "frozen-shared", "online-shared")
 DEFAULT_ARMS = ("off", "frozen", "online")
 UNPRICED_N = re.compile(r"online-unpriced-([1-9][0-9]{0,2})")  # online-unpriced with N updates every step
 EVERY_N = re.compile(r"online-every-([1-9][0-9]?)")  # online, its updates in one burst every N steps
@@ -148,6 +150,9 @@ def arm_setup(arm: str, preset):
                                                                          history=history))
     if arm.endswith("-fixed"):
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
+    if arm.endswith("-shared"):  # the step controller's acceptance shared by every batch size
+        controller = dataclasses.replace(preset.cotrain.controller, bucket_alpha=False)
+        preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, controller=controller))
     if "-paired" in arm or "-blocks" in arm:
         controller = dataclasses.replace(preset.cotrain.controller, run_paired="-paired" in arm)
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, controller=controller))
