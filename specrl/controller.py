@@ -442,8 +442,8 @@ class SpeculationController:
         if not self.config.bucket_alpha:
             return self.alpha.value
         prior = self.config.min_samples * self.config.alpha_tokens
-        own = b.alpha.ratio.mass if b.alpha.n else 0.0
-        return (own * (b.alpha.value if own else 0.0) + prior * self.alpha.value) / (own + prior)
+        own = b.alpha.ratio.mass  # drafted tokens behind it (0, and its value 0, before any)
+        return (own * b.alpha.value + prior * self.alpha.value) / (own + prior)
 
     def _accept_len(self, b: _Bucket, g: int) -> float | None:
         """E(alpha_b, g) times this arm's measured / modelled ratio (slow memory), shrunk

@@ -226,23 +226,21 @@ def test_the_full_batch_reads_its_own_acceptance_not_the_tails():
     ends in a long tail of a few long answers that accept poorly (0.3). One alpha shared by every
     bucket is the tail's when the next rollout's full-batch steps read it, and chose chains of 2
     there where 6 run fastest; each bucket's own alpha keeps the full batch on its best chain."""
-    ctrl = SpeculationController(ControllerConfig(gammas=(1, 2, 3, 4, 5, 6)))
-    rng = random.Random(6)
-    full = []
-    for _ in range(12):  # rollouts: 15 steps at the full batch, then 60 in the tail
-        full += run(ctrl, 64, 15, cheap_spec_cost, 0.87, rng)
-        run(ctrl, 2, 60, cheap_spec_cost, 0.3, rng)
+    def full_batch_steps(bucket_alpha: bool) -> list[int]:
+        ctrl = SpeculationController(ControllerConfig(gammas=(1, 2, 3, 4, 5, 6), bucket_alpha=bucket_alpha))
+        rng, full = random.Random(6), []
+        for _ in range(12):  # rollouts: 15 steps at the full batch, then 60 in the tail
+            full += run(ctrl, 64, 15, cheap_spec_cost, 0.87, rng)
+            run(ctrl, 2, 60, cheap_spec_cost, 0.3, rng)
+        return full
+
     best = max(range(1, 7), key=lambda g: true_speedup(64, g, 0.87, cheap_spec_cost))
     assert best == 6
-    late = full[-60:]  # the last 4 rollouts' full-batch steps
+    late = full_batch_steps(True)[-60:]  # the last 4 rollouts' full-batch steps
     assert sum(g >= 5 for g in late) >= 0.8 * len(late), late
     assert realized_speedup(late, 64, 0.87, cheap_spec_cost) >= 0.95 * true_speedup(64, 6, 0.87, cheap_spec_cost)
-    shared = SpeculationController(ControllerConfig(gammas=(1, 2, 3, 4, 5, 6), bucket_alpha=False))
-    rng, full = random.Random(6), []
-    for _ in range(12):  # the same rollouts, one acceptance for every bucket: each opens on short chains
-        full += run(shared, 64, 15, cheap_spec_cost, 0.87, rng)
-        run(shared, 2, 60, cheap_spec_cost, 0.3, rng)
-    assert all(g <= 2 for g in full[-15:][:3]), full[-15:]
+    last = full_batch_steps(False)[-15:]  # one acceptance for every bucket: each rollout opens on short chains
+    assert all(g <= 2 for g in last[:3]), last
 
 
 def test_reset_acceptance_reexplores_and_recovers():

@@ -119,6 +119,12 @@ def known_arm(arm: str) -> bool:
     return arm in ARMS or any(p.fullmatch(arm) is not None for p in (UNPRICED_N, EVERY_N, GAIN_Z_N))
 
 
+def _with_controller(preset, **changes):
+    """`preset` with its co-training's ControllerConfig fields `changes` replaced."""
+    controller = dataclasses.replace(preset.cotrain.controller, **changes)
+    return dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, controller=controller))
+
+
 def arm_setup(arm: str, preset):
     """(--spec mode, preset) of an arm."""
     if not known_arm(arm):
@@ -151,11 +157,9 @@ def arm_setup(arm: str, preset):
     if arm.endswith("-fixed"):
         preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, adaptive=False))
     if arm.endswith("-shared"):  # the step controller's acceptance shared by every batch size
-        controller = dataclasses.replace(preset.cotrain.controller, bucket_alpha=False)
-        preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, controller=controller))
+        preset = _with_controller(preset, bucket_alpha=False)
     if "-paired" in arm or "-blocks" in arm:
-        controller = dataclasses.replace(preset.cotrain.controller, run_paired="-paired" in arm)
-        preset = dataclasses.replace(preset, cotrain=dataclasses.replace(preset.cotrain, controller=controller))
+        preset = _with_controller(preset, run_paired="-paired" in arm)
     if arm.endswith("-unpriced"):
         preset = dataclasses.replace(preset, cotrain=unbudgeted(preset.cotrain))
     return mode, preset
