@@ -61,6 +61,15 @@ MIN_DRAFTED_TOKENS = 32
 # must not refuse a candidate that equals the serving draft.
 GATE_ROUNDING = 1e-5
 
+# The draft trainer starts no update whose measured time exceeds the window's budget, and only an
+# update that runs refreshes that measurement: one slow update (the machine was busy) could stop
+# the draft for good. After this many RL steps in a row at which the estimate alone started none,
+# the estimate is dropped, so the next window runs one update and measures it afresh. When that
+# update overran the step's budget too, the wait for the next such probe doubles, up to
+# PROBE_AFTER_MAX steps: an update that truly exceeds the budget overruns it ever more rarely.
+PROBE_AFTER = 3
+PROBE_AFTER_MAX = 48
+
 
 class SpecCoTrainer:
     def __init__(self, draft, config: CoTrainConfig | None = None):
@@ -126,6 +135,10 @@ class SpecCoTrainer:
         self._burst_s, self._granted = 0.0, None
         self._trains_now = True  # this RL step's boundary runs draft updates (CoTrainConfig.train_every)
         self._owed = 0  # updates the budget granted the steps since the last burst (they join the next)
+        # the stale step-time estimate (PROBE_AFTER): steps in a row it shut, the wait before the
+        # next probe, whether one is under way, the probes run; timing state, not checkpointed
+        self._shut, self._shut_steps, self._probe_after, self._probing = False, 0, PROBE_AFTER, False
+        self.step_time_probes = 0
         self._overlap = (OverlappedBursts(self.draft_trainer, cfg.scheduler.overlap_threads)
                          if self.draft_trainer is not None and cfg.scheduler.mode == "overlap" else None)
         self._burst: dict | None = None  # an overlapped burst collected but not yet reported
@@ -255,6 +268,7 @@ class SpecCoTrainer:
         self._heldout_s = 0.0
         self._gate_step = {}
         self._recheck = None
+        self._shut = False
         self._trains_now = self.policy_version % self.config.train_every == 0
 
     def on_rollout(self, trajectories) -> dict:
@@ -356,6 +370,8 @@ class SpecCoTrainer:
         elif train and self.draft_trainer is not None:  # between bursts: this step's grant joins the next burst
             self._owed += self.budget.steps(self.config.max_draft_steps)
         self._follow_draft()  # again with the draft that serves now
+        if self.draft_trainer is not None:
+            self._probe_stale_step_time()
         step_s = time.perf_counter() - self._t_step
         self._idle_measure = (self._idle_measure[0], step_s, self._idle_measure[2])
         report = self.scheduler.end_step(step_s)
@@ -391,6 +407,7 @@ class SpecCoTrainer:
             if self._overlap is not None:
                 m["perf/draft_overlap_s"] = self._overlap_s  # burst time that ran under RL work
                 m["perf/draft_wait_s"] = self._wait_s  # the step boundary waiting for the burst
+            m["sched/step_time_probes"] = self.step_time_probes
             m["sched/memory_shrunk"] = self._mem_shrunk
             m["sched/memory_skipped"] = self._mem_skipped
             m["buffer/entries"] = len(self.buffer)
@@ -604,8 +621,23 @@ class SpecCoTrainer:
         recent = self.config.recent_versions and max(self.config.recent_versions, self.config.train_every)
         return max(0, self.policy_version - recent) if recent else None
 
+    def _probe_stale_step_time(self) -> None:
+        """At the step boundary, after the bursts: see PROBE_AFTER."""
+        if self._draft_steps_this_rl_step:
+            if self._probing:  # the probe ran: its measurement is the estimate now
+                fits = self.draft_trainer.step_seconds <= self.scheduler.budget_s
+                self._probe_after = PROBE_AFTER if fits else min(2 * self._probe_after, PROBE_AFTER_MAX)
+            self._shut_steps, self._probing = 0, False
+        elif self._shut:
+            self._shut_steps += 1
+            if self._shut_steps >= self._probe_after:
+                self.draft_trainer.step_seconds = None
+                self._shut_steps, self._probing = 0, True
+                self.step_time_probes += 1
+
     def _record_burst(self, result: dict) -> None:
         """Count a burst's steps and keep its last step's metrics (with the burst's mean loss)."""
+        self._shut |= bool(result.get("shut"))
         self._draft_steps_this_rl_step += result["steps"]
         self._updates_since_push += result.get("full_rate_updates", result["steps"])
         self._burst_s += result.get("seconds", 0.0)

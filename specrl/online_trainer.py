@@ -206,7 +206,10 @@ class OnlineDraftTrainer:
         any positive budget. An empty buffer ends the burst.
         Returns steps, updates, full_rate_updates (the applied updates, each counted by its learning
         rate over the configured one: a warm-up update counts by its share), skipped_nonfinite,
-        seconds, mean_loss (over finite losses), version, and `last` (the last step's metrics)."""
+        seconds, mean_loss (over finite losses), version, `last` (the last step's metrics), and
+        `shut`: steps were wanted and the budget was positive, yet the estimate alone started none
+        (only steps that run refresh it: a caller that sees this in window after window may set
+        step_seconds to None to have it measured again, SpecCoTrainer does)."""
         if max_steps < 0 or not time_budget_s == time_budget_s:
             raise ValueError(f"train_for needs max_steps >= 0 and a time budget, got {max_steps}, {time_budget_s}")
         t0 = time.perf_counter()
@@ -214,9 +217,11 @@ class OnlineDraftTrainer:
         full_rate = 0.0
         losses: list[float] = []
         last: dict = {}
+        shut = False
         while steps < max_steps and time_budget_s > 0:
             elapsed = time.perf_counter() - t0
             if self.step_seconds is not None and elapsed + self.step_seconds > time_budget_s:
+                shut = steps == 0
                 break
             t_step = time.perf_counter()
             last = self.train_step(buffer, generator, min_version=min_version, batch_size=batch_size)
@@ -234,7 +239,7 @@ class OnlineDraftTrainer:
         return {"steps": steps, "updates": updates, "full_rate_updates": full_rate, "skipped_nonfinite": skipped,
                 "seconds": time.perf_counter() - t0,
                 "mean_loss": sum(losses) / len(losses) if losses else float("nan"),
-                "version": self.version, "last": last}
+                "version": self.version, "last": last, "shut": shut}
 
     # ------------------------------------------------------------------ memory
     def memory_bytes(self) -> dict[str, int]:

@@ -267,6 +267,27 @@ def test_the_wait_window_trains_one_update_at_a_time_while_the_batch_is_pending(
     assert off.train_while(lambda: True) == 0 and off.draft_trainer.version == 0
 
 
+@pytest.mark.parametrize("budget_s, trained_at", [(30.0, [0, 4, 5]), (1e-6, [0, 4, 11])])
+def test_one_slow_update_does_not_stop_the_draft_for_the_rest_of_the_run(sft_policy, offline_draft, budget_s,
+                                                                        trained_at):
+    """The trainer starts no update its estimate says would overrun the step's budget, and only
+    an update that runs refreshes the estimate. As if one update had taken 100 s: three steps
+    train nothing, then the estimate is dropped and the fourth measures it again. Where that
+    probe fits the budget the draft trains at every step after it; where no update can fit (a
+    budget of 1 us), the next probe waits 6 steps, then 12."""
+    cot = _online_cotrainer(sft_policy, offline_draft)
+    cot.scheduler.config.min_budget_s = cot.scheduler.config.max_budget_s = budget_s
+    trained = []
+    for step in range(12 if budget_s < 1 else 6):
+        cot.begin_step()
+        if cot.end_step()["train/draft_steps"]:
+            trained.append(step)
+        if step == 0:
+            cot.draft_trainer.step_seconds = 100.0
+    assert trained == trained_at
+    assert cot.metrics()["sched/step_time_probes"] == (2 if budget_s < 1 else 1)
+
+
 def test_the_one_cotraining_configuration_measures_gates_and_buys_updates_in_an_rl_run(sft_policy, tmp_path):
     """The RL presets' co-training (presets.cotrained, on the CI model for speed): the steps whose
     boundary trains (every train_every-th) report the serving draft's held-out expected accept

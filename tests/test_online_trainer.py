@@ -350,3 +350,17 @@ def test_activation_bytes_are_the_same_in_identical_steps(setup):
         tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=8))
         figures.append([tr.train_step(buf, torch.Generator().manual_seed(i))["activation_bytes"] for i in range(3)])
     assert figures[0] == figures[1] and min(figures[0]) > 0
+
+
+
+def test_a_burst_that_the_estimate_alone_shuts_says_so(setup):
+    """`shut` tells the caller that only the step-time estimate kept the burst from starting (the
+    co-trainer re-measures a stale one); no budget, an empty buffer or a burst that ran are not."""
+    policy, seqs, draft = setup
+    buf = _fill(FeatureBuffer(10**7), policy, seqs, draft, soft=False)
+    tr = OnlineDraftTrainer(draft, OnlineDraftConfig(batch_size=4, ttt_steps=1))
+    assert not tr.train_for(buf, 1, 60.0, None)["shut"]
+    tr.step_seconds = 100.0
+    assert tr.train_for(buf, 4, 30.0, None)["shut"]
+    assert not tr.train_for(buf, 4, 0.0, None)["shut"]
+    assert not tr.train_for(FeatureBuffer(10**6), 4, 300.0, None)["shut"]
