@@ -72,8 +72,10 @@ class RunChoice:
         self.queue = self._block("spec", self.warmup, alone=True) + self._block("plain", self.warmup if self.rewarm else 0)
         self.since, self.interval = 0, self.recheck  # calls since the last choice; the wait for the next re-check
         self.calls_left: int | None = None  # set by the owner before each call where the run's length is known
-        self.skipped = 0  # calls after which a re-check was due and not started: too few calls left
-        self._skipped_at = -1
+        # re-checks due and not started (too few calls left): a re-check asked for again at the
+        # next call (the held-out prediction asks at every step while it holds) is the same one
+        self.skipped = 0
+        self._skipped_at = -2
 
     def _block(self, arm: str, warmup: int, alone: bool = False) -> list:
         """The calls that time `arm`: `warmup` untimed, then `rollouts` timed, each followed by one
@@ -121,7 +123,7 @@ class RunChoice:
         unless too few calls are left for its choice to serve (`calls_left`)."""
         block = self._block("plain" if self.speculate else "spec", self.warmup if self.rewarm else 0)
         if self.calls_left is not None and self.calls_left - 1 < 2 * len(block):  # calls after the one recorded
-            self.skipped += self._skipped_at != self.calls  # once per call, however often it is asked
+            self.skipped += self._skipped_at < self.calls - 1  # once per run of calls that ask
             self._skipped_at = self.calls
             return
         self.queue = block
