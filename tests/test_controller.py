@@ -540,7 +540,7 @@ def test_the_run_choice_starts_no_recheck_the_run_cannot_pay_back():
     asked.calls_left = 8  # 7 calls after this one, fewer than the block's 4 and as many after it
     asked.recheck_now()
     assert asked.queue == [] and asked.skipped == 1
-    asked.recheck_now()
+    asked.recheck_now()  # asked twice at one call: still one
     asked.record(asked.arm(), 130, 1.0)
     asked.calls_left = 7
     asked.recheck_now()  # asked again at the next call: the same re-check, not a second one

@@ -352,7 +352,6 @@ def test_activation_bytes_are_the_same_in_identical_steps(setup):
     assert figures[0] == figures[1] and min(figures[0]) > 0
 
 
-
 def test_a_burst_that_the_estimate_alone_shuts_says_so(setup):
     """`shut` tells the caller that only the step-time estimate kept the burst from starting (the
     co-trainer re-measures a stale one); no budget, an empty buffer or a burst that ran are not."""
