@@ -71,7 +71,7 @@ from pathlib import Path
 
 import torch
 
-from experiments.bench.common import Grouped, gate_counts, machine_info, repeat_ratios, timed_generate_interleaved
+from experiments.bench.common import Grouped, gate_counts, gate_over_start, machine_info, repeat_ratios, timed_generate_interleaved
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import accept_length_ratio_interval, same_tokens, summarize_spec_stats
 from rollout.drafters import DrafterSpec, SpecConfig
@@ -508,6 +508,10 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         # the online draft's updates over the run, and the trained drafts the swap gate measured and refused
         "draft_updates": rl_rows[-1].get("train/draft_version") if rl_rows else None,
         **gate_counts(rl_rows),
+        # online over frozen where the gate looks: the serving draft over the starting one on the
+        # RL rollouts' held-out sequences at each gate (CoTrainConfig.gate_floor), per gate and lowest
+        "gate_over_start": gate_over_start(rl_rows),
+        "gate_serving_over_start_min": min((g["serving_over_start"] for g in gate_over_start(rl_rows)), default=None),
         # wall-clock fields (TIMING_FIELDS): not reproducible bit for bit
         "speedup_frozen_start": at(0, "frozen", "speedup"),
         "speedup_frozen_end": at(last_step, "frozen", "speedup"),

@@ -421,6 +421,15 @@ class CoTrainConfig:
     """Swap gate: a trained draft replaces the serving one only if its held-out expected accept
     length is at least (1 - gate_tolerance) times the serving draft's, measured on the same
     held-out sequences; else it is refused, counted, and training goes on from the serving draft."""
+    gate_floor: bool = True
+    """The swap gate measures the starting draft too, on the same held-out sequences, and keeps it
+    as a floor: a candidate must clear it as well, and where the serving draft has fallen below
+    it, a refused candidate hands the engine back the starting draft, from which training goes on.
+    Small steps the gate passed one by one against the serving draft cannot add up to a draft
+    worse than the one the run started with, on the newest data. It costs one more draft forward
+    over the new held-out sequences per gate (the starting draft's weights never change, so each
+    sequence is measured once). The starting draft is the one the co-trainer was built with, also
+    on resume."""
 
     def __post_init__(self) -> None:
         _check_choice(self, "mode", Mode)

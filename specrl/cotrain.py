@@ -107,7 +107,7 @@ class SpecCoTrainer:
         self.heldout = None  # the serving draft's held-out expected accept length, this step
         self._heldout_s = 0.0  # seconds spent measuring drafts on held-out sequences this step
         self._idle_measure = (0.0, 0.0, 0)  # (seconds of the last serving measurement, of the last step, steps since)
-        self._gate = {"refused": 0, "accepted": 0}  # swap gate decisions since the start
+        self._gate = {"refused": 0, "accepted": 0, "floor": 0}  # swap gate decisions since the start
         self._gate_step: dict = {}  # this step's gate figures
         self._serving = None  # online: a copy of the serving draft (the gate's yardstick)
         self._serving_value = (None, None)  # (held-out rows seen, the serving draft's value on them)
@@ -121,8 +121,12 @@ class SpecCoTrainer:
         self._choice_heldout = None  # the serving draft's held-out accept length when the run choice was made
         self._choice_seen = None  # RunChoice.decisions when _choice_heldout was taken
         self.draft_trainer = OnlineDraftTrainer(draft, cfg.online) if cfg.mode == "online" else None
+        self._start = None  # online with gate_floor: a copy of the starting draft, the gate's floor
+        self._start_sums: dict = {}  # ... and its per-sequence held-out sums (its weights never change)
         if self.draft_trainer is not None and cfg.heldout_every:
             self._serving = copy.deepcopy(draft)
+            if cfg.gate_floor:
+                self._start = copy.deepcopy(draft)
         # the memory bound is a share of the memory of the device the draft trains on
         first = next(draft.parameters(), None) if isinstance(draft, torch.nn.Module) else None
         self.scheduler = DraftScheduler(cfg.scheduler, on_error=self._on_draft_error,
@@ -419,6 +423,8 @@ class SpecCoTrainer:
             m.update(self._gate_step)
             m["train/draft_refused_total"] = self._gate["refused"]
             m["train/draft_gated_total"] = self._gate["accepted"] + self._gate["refused"]
+            if self._start is not None:
+                m["train/draft_floor_restores_total"] = self._gate["floor"]
             if self._recheck is not None:
                 m["sched/run_recheck"] = self._recheck
         m["train/draft_faults"] = self.faults
@@ -469,8 +475,11 @@ class SpecCoTrainer:
 
     def _gate_passes(self) -> bool:
         """The swap gate: the trained candidate serves only if its held-out expected accept length
-        is at least (1 - gate_tolerance) times the serving draft's on the same sequences. A refused
-        candidate is counted, and the trainer goes on from the serving draft's weights."""
+        is at least (1 - gate_tolerance) times the serving draft's on the same sequences, and, with
+        CoTrainConfig.gate_floor, the starting draft's too. A refused candidate is counted, and the
+        trainer goes on from the serving draft's weights, or from the starting draft's where that
+        one measures above the serving draft: the starting draft then serves again (it passes here
+        as the candidate, with its known value, and is pushed like one)."""
         if self._serving is None or not self.buffer.heldout:
             return True
         updates, self._updates_since_push = self._updates_since_push, 0.0
@@ -478,6 +487,7 @@ class SpecCoTrainer:
         try:
             cand = self._heldout_value(self.draft_trainer.draft, self._candidate_sums)
             serve = self._serving_heldout()
+            start = self._heldout_value(self._start, self._start_sums) if self._start is not None else None
         except Exception as err:
             self._on_draft_error(err)
             return False
@@ -487,17 +497,25 @@ class SpecCoTrainer:
         self.budget.observe_gain(cand - serve, updates, se)
         self._gate_step.update({"sched/candidate_accept_length": cand, "sched/gate_serving_accept_length": serve,
                                 "sched/candidate_gain_se": se})
-        if cand >= serve * (1.0 - self.config.gate_tolerance) - GATE_ROUNDING:
+        floor = serve if start is None else max(serve, start)
+        if start is not None:
+            self._gate_step["sched/gate_start_accept_length"] = start
+        if cand >= floor * (1.0 - self.config.gate_tolerance) - GATE_ROUNDING:
             self._gate["accepted"] += 1
             self._candidate = cand  # its value, once it serves (_push_weights)
             return True
         self._gate["refused"] += 1
         self._gate_step["train/draft_refused"] = self._gate_step.get("train/draft_refused", 0) + 1
+        back = self._start if start is not None and start > serve + GATE_ROUNDING else self._serving
         with torch.no_grad():
-            self.draft_trainer.draft.load_state_dict(self._serving.state_dict())
-        self.draft_trainer.version += 1  # the trainer's weights changed (back to the serving ones)
-        self._engine_version = self.draft_trainer.version  # ... which the engine serves: nothing to push
-        return False
+            self.draft_trainer.draft.load_state_dict(back.state_dict())
+        self.draft_trainer.version += 1  # the trainer's weights changed (back to the serving or the starting ones)
+        if back is self._serving:
+            self._engine_version = self.draft_trainer.version  # ... which the engine serves: nothing to push
+            return False
+        self._gate["floor"] += 1
+        self._candidate, self._candidate_sums = start, dict(self._start_sums)
+        return True
 
     def _gain_error(self) -> float:
         """The standard error of the candidate's held-out gain over the serving draft's, paired
@@ -768,7 +786,7 @@ class SpecCoTrainer:
         self.generator.set_state(state["generator"])
         self.faults = state["faults"] + faults
         self.budget.load_state_dict(state.get("budget", {}))  # absent in checkpoints written before it
-        self._gate = dict(state.get("gate", self._gate))
+        self._gate = {**self._gate, **state.get("gate", {})}  # "floor" absent in older checkpoints
         self._choice_heldout, self._choice_seen = state.get("choice_heldout"), state.get("choice_seen")
         self._owed = int(state.get("owed", 0))
         if self._serving is not None:  # the gate's yardstick: the draft the engine serves

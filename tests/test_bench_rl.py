@@ -284,10 +284,28 @@ def test_gate_counts_are_the_runs_totals():
     where the last row carries none (an RL step cut short); a run with no gate has None."""
     from experiments.bench.common import gate_counts
 
-    rows = [{"train/draft_gated_total": 1, "train/draft_refused_total": 0},
-            {"train/draft_gated_total": 3, "train/draft_refused_total": 1}, {"step": 2}]
-    assert gate_counts(rows) == {"draft_gated": 3, "draft_refused": 1}
-    assert gate_counts([{"step": 0}]) == {"draft_gated": None, "draft_refused": None}
+    rows = [{"train/draft_gated_total": 1, "train/draft_refused_total": 0, "train/draft_floor_restores_total": 0},
+            {"train/draft_gated_total": 3, "train/draft_refused_total": 1, "train/draft_floor_restores_total": 1},
+            {"step": 2}]
+    assert gate_counts(rows) == {"draft_gated": 3, "draft_refused": 1, "draft_floor_restores": 1}
+    assert gate_counts([{"step": 0}]) == {"draft_gated": None, "draft_refused": None, "draft_floor_restores": None}
+
+
+def test_gate_over_start_reads_each_gate_that_measured_the_starting_draft():
+    """One entry per row whose gate measured the starting draft, the serving and candidate values
+    over its value, and whether the floor's running total rose at that gate (not at another)."""
+    from experiments.bench.common import gate_over_start
+
+    gate = {"sched/gate_serving_accept_length": 1.8, "sched/candidate_accept_length": 2.1}
+    rows = [{"step": 0, **gate, "sched/gate_start_accept_length": 2.0, "train/draft_floor_restores_total": 0},
+            {"step": 1, "train/draft_floor_restores_total": 0},  # no gate
+            {"step": 2, **gate, "sched/gate_start_accept_length": 2.4, "train/draft_floor_restores_total": 1},
+            {"step": 3, **gate, "sched/gate_start_accept_length": 1.5, "train/draft_floor_restores_total": 1},
+            {"step": 4, **gate}]  # a gate without the floor
+    got = gate_over_start(rows)
+    assert [g["step"] for g in got] == [0, 2, 3] and [g["floor_restored"] for g in got] == [False, True, False]
+    assert got[0]["serving_over_start"] == pytest.approx(0.9) and got[0]["candidate_over_start"] == pytest.approx(1.05)
+    assert got[2]["serving_over_start"] == pytest.approx(1.2)
 
 
 def test_a_folder_in_an_arms_way_is_refused_and_kept(tmp_path):

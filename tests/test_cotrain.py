@@ -480,6 +480,52 @@ def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_servi
     assert m["sched/candidate_gain_se"] == 0.0  # the same weights: the same sums on every sequence
 
 
+@pytest.mark.parametrize("floor", [True, False])
+def test_the_gate_keeps_the_starting_draft_as_a_floor(tiny_model, monkeypatch, floor):
+    """A serving draft that has fallen below the starting one on the newest held-out sequences
+    (planted: its weights moved far from the start), and a candidate that beats it but not the
+    start (moved less far). With the floor the candidate is refused and the starting draft serves
+    again: pushed to the engine, its weights the trainer's, its value the serving one. Without it
+    the candidate serves, as the gate against the serving draft alone allows."""
+    import torch
+
+    from specrl.config import DraftBudgetConfig
+
+    cot, engine = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"), max_draft_steps=1, gate_floor=floor)
+    start = {k: v.clone() for k, v in cot.draft.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    noise = {k: torch.randn(v.shape, generator=gen) for k, v in start.items() if v.is_floating_point()}
+
+    def moved(scale):
+        return {k: v + scale * noise[k] if k in noise else v for k, v in start.items()}
+
+    with torch.no_grad():
+        cot._serving.load_state_dict(moved(2.0))
+        cot.draft_trainer.draft.load_state_dict(moved(2.0))
+
+    def half_back(*a, **k):
+        with torch.no_grad():
+            cot.draft_trainer.draft.load_state_dict(moved(0.5))
+        cot.draft_trainer.version += 1
+        return {"steps": 1, "seconds": 0.01}
+
+    monkeypatch.setattr(cot.draft_trainer, "train_for", half_back)
+    cot.begin_step()
+    m = cot.end_step()
+    serve, cand = m["sched/gate_serving_accept_length"], m["sched/candidate_accept_length"]
+    assert engine.pushed == [cot.draft_trainer.version]
+    if not floor:
+        assert "sched/gate_start_accept_length" not in m and "train/draft_floor_restores_total" not in m
+        assert "train/draft_refused" not in m and cand > serve and m["sched/heldout_accept_length"] == cand
+        return
+    assert serve < cand < m["sched/gate_start_accept_length"]  # the plant: start > candidate > serving
+    assert m["train/draft_refused"] == 1 and m["train/draft_floor_restores_total"] == 1
+    assert all(torch.equal(v, start[k]) for k, v in cot.draft_trainer.draft.state_dict().items())
+    assert all(torch.equal(v, start[k]) for k, v in cot._serving.state_dict().items())
+    assert m["sched/heldout_accept_length"] == m["sched/gate_start_accept_length"]
+    assert m["train/draft_gated_total"] == 1
+
+
 def test_the_serving_draft_is_measured_once_per_held_out_sequence_and_again_after_a_swap(tiny_model, monkeypatch):
     """The serving draft's held-out value is kept per sequence: a step with new held-out sequences
     measures those only, and the value equals a measurement of the whole slice at once. A swap
@@ -517,8 +563,16 @@ def test_the_serving_draft_is_measured_once_per_held_out_sequence_and_again_afte
     del measured[:]
     cot.begin_step()
     cot.end_step()
-    assert engine.pushed and measured == [6]  # the candidate, by the gate; the serving value is known
-    assert cot._serving_heldout() == cot.heldout and measured == [6]
+    # the candidate, by the gate, and the starting draft (the gate's floor) on all six; the serving value is known
+    assert engine.pushed and measured == [6, 6]
+    assert cot._serving_heldout() == cot.heldout and measured == [6, 6]
+    cot.test_capture(ids, tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids), mask)  # 2 more held out
+    del measured[:]
+    cot.begin_step()
+    cot.end_step()
+    # the serving draft on the two new ones (the step's measurement), the new candidate on all
+    # eight, the starting draft on the two new ones (its weights never change)
+    assert len(cot.buffer.heldout) == 8 and measured == [2, 8, 2]
 
 
 def test_train_every_runs_one_gated_burst_every_n_steps_with_the_updates_owed_in_between(tiny_model, monkeypatch):

@@ -188,12 +188,30 @@ def length_distribution(lengths, cap: int) -> dict | None:
 
 def gate_counts(rows: list[dict]) -> dict:
     """The swap gate's counts over an RL run, from its metric rows (specrl.cotrain's running totals,
-    so the largest any row holds): draft_gated, the trained drafts it measured, and draft_refused,
-    those it kept out of the engine; None each in a run whose rows hold no gate."""
+    so the largest any row holds): draft_gated, the trained drafts it measured, draft_refused,
+    those it kept out of the engine, and draft_floor_restores, the refusals that handed the engine
+    back the starting draft (CoTrainConfig.gate_floor); None each in a run whose rows hold none."""
     def total(key):
         xs = [r[key] for r in rows if r.get(key) is not None]
         return max(xs) if xs else None
-    return {"draft_gated": total("train/draft_gated_total"), "draft_refused": total("train/draft_refused_total")}
+    return {"draft_gated": total("train/draft_gated_total"), "draft_refused": total("train/draft_refused_total"),
+            "draft_floor_restores": total("train/draft_floor_restores_total")}
+
+
+def gate_over_start(rows: list[dict]) -> list[dict]:
+    """At each gate that measured the starting draft (CoTrainConfig.gate_floor), the serving
+    draft's and the candidate's held-out expected accept length over the starting draft's, on the
+    same held-out sequences of the RL rollouts (online over frozen where the gate looks, beside
+    the evaluation prompts' figure), and whether the gate handed the engine back the starting draft."""
+    out, restores = [], 0
+    for r in rows:
+        start, total = r.get("sched/gate_start_accept_length"), r.get("train/draft_floor_restores_total", restores)
+        if start and r.get("sched/gate_serving_accept_length") is not None:
+            out.append({"step": r["step"], "serving_over_start": r["sched/gate_serving_accept_length"] / start,
+                        "candidate_over_start": r["sched/candidate_accept_length"] / start,
+                        "floor_restored": total > restores})
+        restores = total
+    return out
 
 
 def model_summary(policy, draft) -> dict:
