@@ -168,7 +168,8 @@ def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp
 
 @torch.no_grad()
 def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
-                         loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> list[list[float]]:
+                         loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False,
+                         temperature: float = 1.0) -> list[list[float]]:
     """The draft's expected accept length per verify step with chains of `gamma`, on sequences the
     policy wrote, as per-sequence sums -> B lists [sum_t E_t, sum_t a_{t,0}, ..., sum_t a_{t,gamma-1},
     rows]: mean_accept_length turns any set of them into (E, per-depth acceptance), so a
@@ -191,7 +192,9 @@ def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor,
     speculation served those rollouts).
 
     features (B, T, 3H), input_ids (B, T), target_logp (B, T, Vd) at the draft vocabulary
-    (FeatureBuffer's soft targets), loss_mask (B, T)."""
+    (FeatureBuffer's soft targets), loss_mask (B, T). temperature: the draft's proposals are
+    sampled from softmax(logits / temperature), as the engine samples them; target_logp must be at
+    the same temperature (FeatureBuffer.heldout_temperature does this for its held-out rows)."""
     B, T = input_ids.shape
     if target_logp is None or target_logp.shape[-1] != draft.cfg.draft_vocab_size:
         raise ValueError("expected_accept_sums needs the target's log-probs at the draft vocabulary")
@@ -206,7 +209,8 @@ def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor,
         n = max(0, T - 2 - k)  # rows with a token x_{t+2+k}; s..n-1 were computed
         a = torch.zeros(B, T, device=input_ids.device)
         if n > s:
-            q = torch.softmax(logits[:, :n - s].float(), dim=-1)
+            q = logits[:, :n - s].float()
+            q = torch.softmax(q if temperature == 1.0 else q / temperature, dim=-1)
             pk = p[:, 1 + k + s: 1 + k + n]
             if greedy:
                 a[:, s:n] = (q.argmax(-1) == pk.argmax(-1)).float()
@@ -256,8 +260,9 @@ def paired_gain(sums_a: list[list[float]], sums_b: list[list[float]]) -> tuple[f
 
 
 def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
-                           loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False) -> tuple[float, list[float]]:
+                           loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False,
+                           temperature: float = 1.0) -> tuple[float, list[float]]:
     """The draft's expected accept length per verify step with chains of `gamma` over a batch of
     sequences -> (E, per-depth acceptance) (see expected_accept_sums for the terms)."""
     return mean_accept_length(expected_accept_sums(draft, features, input_ids, target_logp, loss_mask, gamma,
-                                                   greedy=greedy))
+                                                   greedy=greedy, temperature=temperature))

@@ -130,6 +130,9 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: in
     for step in range(rl_steps):
         row = rl_step(run, step)
         log(f"[loss] RL step {step}: reward {row['reward']:.3f}, kl_ref {row.get('kl_ref', 0.0):.4f}")
+    if not run.cotrain.buffer.heldout:
+        raise ValueError(f"no held-out answers after {rl_steps} RL steps (one prompt in "
+                         f"{preset.cotrain.heldout_every} is held out): raise --rl-steps")
     start = copy.deepcopy(run.cotrain.draft)
     examples = run.heldout[:32]
     prompts = encode_prompts(run.tokenizer, examples)

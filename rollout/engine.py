@@ -247,7 +247,7 @@ class EmbeddedEngine:
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  request_ids: Sequence[int] | None = None, capture_features: bool = False) -> Rollout:
         if len(prompts) == 0:
-            return Rollout([], RolloutStats(0.0, 0))
+            return Rollout([], RolloutStats(0.0, 0, temperature=params.temperature))
         request_ids = self.request_ids.take(request_ids, len(prompts))
         states = [self._new_state(i, rid, p, params) for i, (rid, p) in enumerate(zip(request_ids, prompts))]
         self._seed_generator(params.seed, request_ids)
@@ -324,7 +324,7 @@ class EmbeddedEngine:
                              speculated=spec is not None, hook_s=hook_s, engine_steps=steps, spec_steps=spec_steps,
                              full_batch_s=phase_s["full"], tail_s=phase_s["tail"],
                              spec_faults=int(spec is not None and spec.faulted),
-                             spec_saved_s=spec.saved_s if spec is not None else None)
+                             spec_saved_s=spec.saved_s if spec is not None else None, temperature=params.temperature)
         if capture_features:
             settle(self.device)  # the features' copies to the host (`download`) have landed
         return Rollout([self._to_trajectory(s, capture_features) for s in states], stats)

@@ -200,6 +200,7 @@ class RolloutStats:
     tail_s: float | None = None  # and of the long tail's smaller ones
     spec_faults: int = 0  # draft-side faults absorbed in the call (it then decoded plainly)
     spec_saved_s: float | None = None  # seconds speculation saved, estimated from measured plain steps
+    temperature: float | None = None  # the call's sampling temperature (0: greedy); None where not reported
 
     @property
     def tokens_per_s(self) -> float:

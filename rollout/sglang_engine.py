@@ -157,7 +157,7 @@ class SGLangEngine:
             raise ValueError("SGLang does not return EAGLE-3 target features; capture them in the trainer's "
                              "log-prob forward (CoTrainConfig.feature_source='trainer')")
         if not prompts:
-            return Rollout([], RolloutStats(0.0, 0))
+            return Rollout([], RolloutStats(0.0, 0, temperature=params.temperature))
         ids = self.request_ids.take(request_ids, len(prompts))
         body = {"input_ids": [list(map(int, p)) for p in prompts], "sampling_params": sampling_params_for_sglang(params),
                 "return_logprob": True}
@@ -168,7 +168,7 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang returned {len(outputs)} outputs for {len(prompts)} prompts")
         trajs = [trajectory_from_output(p, o, r) for p, o, r in zip(prompts, outputs, ids)]
         stats = RolloutStats(wall_s=time.perf_counter() - t0, tokens=sum(len(t.token_ids) for t in trajs),
-                             speculated=self.spec is not None)
+                             speculated=self.spec is not None, temperature=params.temperature)
         return Rollout(trajs, stats)
 
     def runs_in_place(self, module) -> bool:

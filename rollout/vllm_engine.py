@@ -680,7 +680,7 @@ class VLLMEngine:
             raise VLLMEngineError("with top-k/top-p vLLM returns masked log-probs, not log_softmax(logits / T); "
                                   "use top_k=0, top_p=1 with the vLLM engine")
         if len(prompts) == 0:
-            return Rollout([], RolloutStats(0.0, 0))
+            return Rollout([], RolloutStats(0.0, 0, temperature=params.temperature))
         if self.speculating and not params.greedy and not self._warned_sampling:
             self.llm  # started here if not yet: the start runs the sampler mend and records it
             if not self.sampler_mend.get("expand_ok_after", False):
@@ -715,7 +715,7 @@ class VLLMEngine:
 
             self.llm.collective_rpc(history_add_in_worker, args=([(t.prompt_ids, t.token_ids) for t in trajs],))
         return Rollout(trajs, RolloutStats(wall_s=wall, tokens=sum(len(t.token_ids) for t in trajs),
-                                           speculated=self.speculating))
+                                           speculated=self.speculating, temperature=params.temperature))
 
     def _to_trajectory(self, out, prompt: list[int], rid: int) -> Trajectory:
         c = out.outputs[0]

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+import zlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -32,6 +33,22 @@ from draft_models.train import _LOGP_FLOOR
 from draft_models.vocab import restrict_to_draft
 from rollout.transfer import download, settle
 from target_training.grpo import answer_lengths, logit_positions
+
+
+def _draft_logp(logits: torch.Tensor, d2t: torch.Tensor, at: torch.Tensor | None, shape: tuple[int, int],
+                temperature: float) -> torch.Tensor:
+    """The target's log-probs at `temperature` over the draft vocabulary, not renormalised, fp16,
+    clamped: restrict_to_draft(logits / T) minus the full vocabulary's logsumexp of logits / T.
+    logits (B, T, V), or (N, V) at the positions `at` (B, T) marks, the rest then the floor ->
+    (B, T, Vd)."""
+    lg = logits.detach().float()
+    if temperature != 1.0:  # dividing by 1 changes no bit: skip the op
+        lg = lg / temperature
+    logp = restrict_to_draft(lg, d2t.to(lg.device)) - torch.logsumexp(lg, dim=-1, keepdim=True)
+    logp = logp.clamp_min(_LOGP_FLOOR).to(torch.float16)
+    if at is not None:  # (N, Vd) -> (B, T, Vd), the floor where nothing was computed
+        logp = logp.new_full((*shape, logp.shape[-1]), _LOGP_FLOOR).index_put_((at,), logp)
+    return logp
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -58,7 +75,7 @@ class FeatureBuffer:
     """Version-tagged, byte-bounded store of draft training records (see the module docstring)."""
 
     def __init__(self, budget_bytes: int, feature_dtype: torch.dtype = torch.float16, seed: int = 0,
-                 heldout_every: int = 0, heldout_records: int = 16):
+                 heldout_every: int = 0, heldout_records: int = 16, heldout_per_prompt: int = 2):
         if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes <= 0:
             raise ValueError(f"FeatureBuffer budget_bytes must be a positive integer, got {budget_bytes!r}")
         if not feature_dtype.is_floating_point:
@@ -72,12 +89,22 @@ class FeatureBuffer:
         self._ids = itertools.count()
         self._bytes = 0
         self.capture_seconds = 0.0  # time spent storing features from the trainer's forward (hook)
-        self.counters = {"added": 0, "evicted": 0, "rejected_oversized": 0, "skipped_empty": 0}
-        # held-out sequences: every `heldout_every`-th row of the trainer's forward goes here instead
-        # of into training, the newest `heldout_records` kept (they measure drafts; never sampled)
+        self.counters = {"added": 0, "evicted": 0, "rejected_oversized": 0, "skipped_empty": 0,
+                         "skipped_heldout": 0}  # answers to held-out prompts not stored (see heldout_prompt)
+        # held-out sequences (they measure drafts; never sampled): the answers to one prompt in
+        # `heldout_every` (heldout_prompt), never trained on from either source; of each such prompt
+        # at most `heldout_per_prompt` answers per policy version are kept (the others are dropped:
+        # a sibling answer in training would leak the prompt), the newest `heldout_records` in all
         self.heldout_every, self.heldout_records = int(heldout_every), int(heldout_records)
+        self.heldout_per_prompt = int(heldout_per_prompt)
         self.heldout: list[dict] = []
+        self._held_now: tuple[int, dict] = (-1, {})  # (policy version, answers kept per held prompt)
         self.heldout_only = False  # store the held-out rows only (a frozen draft is measured, not trained)
+        # the rollouts' sampling temperature (0: greedy), set by the co-trainer from each rollout: the
+        # held-out rows' soft targets are the target's log-probs at it, so a draft is measured under
+        # the acceptance the engine sees (training rows keep the target's own distribution, T = 1)
+        self.heldout_temperature = 1.0
+        self.soft_targets = False  # the trainer's forward gave logits: held-out answers can be kept
         self._rows = 0  # rows offered by the trainer's forward so far
 
     # ------------------------------------------------------------------ core
@@ -167,10 +194,18 @@ class FeatureBuffer:
                              f"must match input_ids {(B, T)}")
         mask = response_mask.detach().to(torch.bool)
         lengths = answer_lengths(mask).tolist()
-        held = []  # per row: held out of training (every heldout_every-th non-empty row, soft targets needed)
-        for n in lengths:
-            held.append(n > 0 and self.heldout_every > 0 and logits is not None and self._rows % self.heldout_every == 0)
-            self._rows += n > 0
+        # per row: "train", "held" (a held-out prompt's answer, kept to measure drafts: soft targets
+        # needed) or "skip" (a held-out prompt's answer beyond heldout_per_prompt, or no answer)
+        state = ["skip" if n <= 0 else "train" for n in lengths]
+        self._rows += sum(n > 0 for n in lengths)
+        self.soft_targets |= logits is not None
+        if self.heldout_every > 0 and logits is not None:  # hard labels (no logits) measure nothing: all train
+            ids_host, firsts = input_ids.detach().cpu(), mask.to(torch.int8).argmax(1).tolist()
+            for b, n in enumerate(lengths):
+                if n > 0 and self.heldout_prompt(ids_host[b, :firsts[b]]):
+                    state[b] = "held" if self._keep_held(ids_host[b, :firsts[b]], policy_version) else "skip"
+                    self.counters["skipped_heldout"] += state[b] == "skip"
+        held = [st == "held" for st in state]
         at = None  # (B, T) bool: where compact (N, V) logits were computed
         if logits is not None and logits.dim() == 2:
             at = logit_positions(mask)
@@ -183,6 +218,7 @@ class FeatureBuffer:
             rows = [b for b in range(B) if held[b]]
             if not rows:
                 return 0
+            state = ["held"] * len(rows)
             if len(rows) < B:
                 idx = torch.tensor(rows, device=input_ids.device)
                 if at is not None:  # the compact rows are row-major: keep those of the held-out rows
@@ -195,13 +231,21 @@ class FeatureBuffer:
                 input_ids, features, mask = input_ids[idx], features[idx], mask[idx]
                 lengths, held = [lengths[b] for b in rows], [True] * len(rows)
                 B = len(rows)
-        logp = None
-        if logits is not None:
-            lg = logits.detach().float()
-            logp = restrict_to_draft(lg, d2t.to(lg.device)) - torch.logsumexp(lg, dim=-1, keepdim=True)
-            logp = logp.clamp_min(_LOGP_FLOOR).to(torch.float16)
-            if at is not None:  # (N, Vd) -> (B, T, Vd), the floor where nothing was computed
-                logp = logp.new_full((B, T, logp.shape[-1]), _LOGP_FLOOR).index_put_((at,), logp)
+        temp = self.heldout_temperature
+        hot = logits is not None and any(held) and temp not in (0.0, 1.0)  # held-out rows at another temperature
+        logp = None if logits is None or (hot and all(held)) else _draft_logp(logits, d2t, at, (B, T), 1.0)
+        if hot:  # the held-out rows' log-probs at the rollouts' temperature (the others' are not used)
+            rows = torch.tensor([b for b in range(B) if held[b]], device=logits.device)
+            sub_at, sub = at, logits
+            if at is not None:  # the compact rows are row-major: keep those of the held-out rows
+                keep = torch.zeros(B, dtype=torch.bool, device=at.device)
+                keep[rows] = True
+                sub, sub_at = logits[keep[:, None].expand(B, T)[at]], at[rows]
+            else:
+                sub = logits[rows]
+            hot_logp = _draft_logp(sub, d2t, sub_at, (len(rows), T), temp)
+            logp = hot_logp.new_full((B, T, hot_logp.shape[-1]), _LOGP_FLOOR) if logp is None else logp
+            logp[rows] = hot_logp
         if input_ids.device.type != "cpu":  # the batch to the host in one copy per tensor, not one per row
             input_ids, features, mask = download(input_ids), download(features.detach(), self.feature_dtype), download(mask)
             logp = None if logp is None else download(logp)
@@ -210,22 +254,47 @@ class FeatureBuffer:
         for b, n in enumerate(lengths):
             if n <= 0:
                 self.counters["skipped_empty"] += 1
+            if state[b] == "skip":
                 continue
             rec = {"input_ids": input_ids[b, :n], "features": features[b, :n].detach(),
                    "target_logp": None if logp is None else logp[b, :n], "loss_mask": mask[b, :n]}
-            if held[b]:
+            if state[b] == "held":
                 self._hold_out(rec, policy_version)
             else:
                 stored += self.add(rec, policy_version)
         return stored
 
+    def heldout_prompt(self, prompt_ids) -> bool:
+        """Whether the answers to this prompt are held out: one prompt in `heldout_every`, by a hash
+        of its token ids (and the buffer's seed), so the trainer's forward and the engine's
+        trajectories agree, a prompt sampled again in a later epoch is held out again, and no
+        draft ever trains on an answer to it (nor on its sibling answers in a GRPO group, which
+        would make the held-out value read the draft's memory of the prompt). The prompt is the
+        row's tokens before its first answer token: rows must be right-padded (prompt first)."""
+        if self.heldout_every <= 0:
+            return False
+        data = torch.as_tensor(prompt_ids, dtype=torch.int64).cpu().numpy().tobytes()
+        return zlib.crc32(data, self.seed & 0xFFFFFFFF) % self.heldout_every == 0
+
+    def _keep_held(self, prompt_ids: torch.Tensor, policy_version: int) -> bool:
+        """Count one more answer to a held-out prompt at this policy version; True while at most
+        heldout_per_prompt of them are kept."""
+        version, kept = self._held_now
+        if version != policy_version:
+            self._held_now = version, kept = policy_version, {}
+        key = prompt_ids.numpy().tobytes()
+        kept[key] = kept.get(key, 0) + 1
+        return kept[key] <= self.heldout_per_prompt
+
     def _hold_out(self, record: dict, policy_version: int) -> None:
         """Keep `record` among the held-out sequences (own storage), the oldest dropped past
-        `heldout_records`."""
+        `heldout_records`, with the temperature its soft targets are at (heldout_temperature; 0:
+        greedy, the targets then at T = 1, whose argmax is the same)."""
         rec = {"input_ids": _own(record["input_ids"], torch.long).reshape(-1),
                "features": _own(record["features"], self.feature_dtype),
                "target_logp": _own(record["target_logp"], torch.float16),
-               "loss_mask": _own(record["loss_mask"], torch.bool).reshape(-1), "policy_version": int(policy_version)}
+               "loss_mask": _own(record["loss_mask"], torch.bool).reshape(-1), "policy_version": int(policy_version),
+               "temperature": float(self.heldout_temperature)}
         self.heldout = (self.heldout + [rec])[-self.heldout_records:] if self.heldout_records else []
 
     @property
@@ -264,6 +333,9 @@ class FeatureBuffer:
         stored = 0
         for traj in trajectories:
             if traj.features is None:
+                continue
+            if self.heldout_prompt(traj.prompt_ids):  # measured on, never trained on (heldout_prompt)
+                self.counters["skipped_heldout"] += 1
                 continue
             P, n = len(traj.prompt_ids), len(traj.token_ids)
             T = P + n
@@ -350,6 +422,6 @@ class FeatureBuffer:
         self.clear()
         for e in sd.get("entries", []):
             self.add(e, e["policy_version"], e.get("weight_per_pos"))
-        self.counters = dict(sd["counters"])  # after the re-adds, which would count again
+        self.counters = {**{k: 0 for k in self.counters}, **sd["counters"]}  # after the re-adds, which would count again
         self._rows = int(sd.get("rows", 0))
         self.heldout = [dict(r) for r in sd.get("heldout", [])][-self.heldout_records:] if self.heldout_records else []

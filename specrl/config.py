@@ -397,12 +397,19 @@ class CoTrainConfig:
     seed: int = 0
     """Seeds the buffer's sampling."""
     heldout_every: int = 8
-    """Every Nth sequence the trainer's forward captures is held out of training (0: none). The
-    newest `heldout_records` of them measure drafts: the serving draft's expected accept length
-    each step (also in "frozen" mode, which then captures these sequences only), the swap gate and
-    the "value" budget rule (draft_models.ttt.expected_accept_length)."""
+    """One prompt in N is held out (0: none), chosen by a hash of its tokens: no draft trains on any
+    answer to it, from the trainer's forward or the engine's features, in any epoch, so the held-out
+    answers measure what the coming rollouts' new prompts will see, not what the draft remembers of
+    a GRPO group whose sibling answers it trained on. The trainer's forward captures the held-out
+    answers (heldout_per_prompt of each); the newest `heldout_records` of them measure drafts: the
+    serving draft's expected accept length each step (also in "frozen" mode, which then captures
+    these sequences only), the swap gate and the "value" budget rule
+    (draft_models.ttt.expected_accept_length), at the rollouts' sampling temperature."""
     heldout_records: int = 16
     """Held-out sequences kept (the newest)."""
+    heldout_per_prompt: int = 2
+    """Answers kept per held-out prompt and policy version (the rest of its group is dropped):
+    the held-out sequences then span more prompts, the unit the measurement's noise comes from."""
     heldout_idle_share: float = 0.01
     """While the serving draft neither serves (plain decoding chosen) nor trains (no update this
     step), measuring it is worth little: it only watches for a fall that would restart training or
@@ -458,3 +465,5 @@ class CoTrainConfig:
         for name in ("max_draft_steps", "recent_versions", "heldout_every", "heldout_records"):
             if getattr(self, name) < 0:
                 raise ValueError(f"CoTrainConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.heldout_per_prompt < 1:
+            raise ValueError(f"CoTrainConfig.heldout_per_prompt must be >= 1, got {self.heldout_per_prompt}")

@@ -101,7 +101,7 @@ class SpecCoTrainer:
         self.controller = SpeculationController(cfg.controller) if cfg.adaptive else None
         self.draft = draft
         self.buffer = FeatureBuffer(cfg.buffer_bytes, seed=cfg.seed, heldout_every=cfg.heldout_every,
-                                    heldout_records=cfg.heldout_records)
+                                    heldout_records=cfg.heldout_records, heldout_per_prompt=cfg.heldout_per_prompt)
         # a frozen draft is measured on held-out sequences, not trained: capture those only
         self.buffer.heldout_only = cfg.mode == "frozen"
         self.heldout = None  # the serving draft's held-out expected accept length, this step
@@ -114,6 +114,7 @@ class SpecCoTrainer:
         self._serving_sums: dict = {}  # the serving draft's per-sequence held-out sums (heldout_accept_length)
         self._candidate = None  # the gated candidate's held-out value, until it serves
         self._candidate_sums: dict = {}  # ... and its per-sequence sums, which then are the serving draft's
+        self._waiting = False  # a trained candidate waits, unpushed, for the first held-out answers
         # updates since the last gate, at the full learning rate (a warm-up update counts by its share):
         # the gain per update the budget extrapolates is that of a full-rate update
         self._updates_since_push = 0.0
@@ -179,6 +180,8 @@ class SpecCoTrainer:
         engine.install_draft(DrafterSpec(self.config.drafter, draft=self.draft, spec=self.config.spec,
                                          history=self.history), self.controller)
         measured = self.draft is not None and self.config.heldout_every > 0 and isinstance(trainer, FeatureSource)
+        if not measured:  # nothing captures held-out answers: hold no prompt out of the engine's features
+            self.buffer.heldout_every = 0
         if self.draft_trainer is None:
             if measured:  # a frozen draft: the held-out sequences only, to measure it
                 self._add_capture(trainer)
@@ -282,6 +285,8 @@ class SpecCoTrainer:
         if not self.enabled:
             return {}
         stats = trajectories.stats if isinstance(trajectories, Rollout) else None
+        if stats is not None and stats.temperature is not None:
+            self.buffer.heldout_temperature = stats.temperature  # the trainer's forward over them comes next
         saved = self._observe_run(stats)
         agg = summarize_spec_stats(t.spec for t in trajectories)
         self._rollout_metrics = {
@@ -373,6 +378,11 @@ class SpecCoTrainer:
             self._owed = 0
         elif train and self.draft_trainer is not None:  # between bursts: this step's grant joins the next burst
             self._owed += self.budget.steps(self.config.max_draft_steps)
+        if self._waiting and self._trains_now and self.buffer.heldout and self._overlap is None:
+            # a candidate that waited for held-out answers, gated at a burst's boundary like the others
+            t0 = time.perf_counter()
+            self._push_weights()
+            self.scheduler.charge("between", time.perf_counter() - t0)
         self._follow_draft()  # again with the draft that serves now
         if self.draft_trainer is not None:
             self._probe_stale_step_time()
@@ -473,15 +483,23 @@ class SpecCoTrainer:
             self._serving_value = (self.buffer.rows_seen, value)
         return value
 
-    def _gate_passes(self) -> bool:
+    def _gate_passes(self) -> bool | None:
         """The swap gate: the trained candidate serves only if its held-out expected accept length
         is at least (1 - gate_tolerance) times the serving draft's on the same sequences, and, with
         CoTrainConfig.gate_floor, the starting draft's too. A refused candidate is counted, and the
         trainer goes on from the serving draft's weights, or from the starting draft's where that
         one measures above the serving draft: the starting draft then serves again (it passes here
-        as the candidate, with its known value, and is pushed like one)."""
-        if self._serving is None or not self.buffer.heldout:
+        as the candidate, with its known value, and is pushed like one). Before any held-out answer
+        has come by (one prompt in CoTrainConfig.heldout_every), the candidate is not pushed: None,
+        and the trainer keeps it; the first burst's boundary with held-out answers gates it."""
+        if self._serving is None:
             return True
+        # nothing to measure it on yet: it waits (None), unrefused, in the trainer, where held-out
+        # answers will come (the capture records soft targets); a hard-label capture holds
+        # nothing out and its candidates serve unmeasured
+        self._waiting = not self.buffer.heldout and self.buffer.soft_targets and self.buffer.heldout_every > 0
+        if not self.buffer.heldout:
+            return None if self._waiting else True
         updates, self._updates_since_push = self._updates_since_push, 0.0
         self._candidate, self._candidate_sums = None, {}
         try:
@@ -671,7 +689,7 @@ class SpecCoTrainer:
         if self.engine is None:
             return
         t_sync = time.perf_counter()  # the gate's measurements count as the swap's cost
-        if not self._gate_passes():
+        if not self._gate_passes():  # refused, or waiting for held-out answers (None)
             self._sync_s += time.perf_counter() - t_sync
             return
         version = self.draft_trainer.version
@@ -820,22 +838,29 @@ def heldout_accept_length(draft, records, gamma: int, sums: dict | None = None) 
     is measured in eval mode and left in the mode it was in.
     sums: {id(record): (record, its sums)} already measured for this same draft (the caller
     empties it when the draft's weights change): only the other records are measured, then the
-    dict holds exactly `records`' sums (each kept with its record, so no id is reused)."""
+    dict holds exactly `records`' sums (each kept with its record, so no id is reused).
+    Each record is measured at the temperature its soft targets are at (its "temperature", 1.0
+    where it has none; 0: greedy, acceptance by argmax), the rollouts' own."""
     if not records:
         return None
     sums = {} if sums is None else sums
-    todo = [r for r in records if id(r) not in sums]
+    todo: dict[float, list] = {}
+    for r in records:
+        if id(r) not in sums:
+            todo.setdefault(float(r.get("temperature", 1.0)), []).append(r)
     if todo:
         w = draft.fc.weight
-        batch = collate(todo, w.device, w.dtype, soft=True)
         was = draft.training
         draft.eval()
         try:
-            new = expected_accept_sums(draft, batch["features"], batch["input_ids"], batch["target_logp"],
-                                       batch["loss_mask"], gamma)
+            for temp, group in todo.items():
+                batch = collate(group, w.device, w.dtype, soft=True)
+                new = expected_accept_sums(draft, batch["features"], batch["input_ids"], batch["target_logp"],
+                                           batch["loss_mask"], gamma, greedy=temp == 0.0,
+                                           temperature=temp if temp > 0.0 else 1.0)
+                sums.update((id(r), (r, s)) for r, s in zip(group, new))
         finally:
             draft.train(was)
-        sums.update((id(r), (r, s)) for r, s in zip(todo, new))
     keep = {id(r) for r in records}
     for key in [k for k in sums if k not in keep]:
         del sums[key]

@@ -113,12 +113,31 @@ def real_drafts(model, prompts, answers) -> dict:
     return {"random": random_draft, "fitted": fitted}
 
 
+def rows_held_as(pattern, held, T: int, prompt_len: int, generator: torch.Generator, low: int = 3,
+                 high: int = 64) -> torch.Tensor:
+    """(len(pattern), T) random token rows whose prompts (their first `prompt_len` tokens) are held
+    out exactly where `pattern` is True, as `held` (a FeatureBuffer's heldout_prompt) decides: a
+    test that counts held-out and training rows gets the rows it counts on."""
+    rows = []
+    for want in pattern:
+        while True:
+            row = torch.randint(low, high, (T,), generator=generator)
+            if held(row[:prompt_len]) == want:
+                rows.append(row)
+                break
+    return torch.stack(rows)
+
+
 def fill_buffer(cot, model, n: int = 8, T: int = 16, seed: int = 0, version: int = 0) -> None:
     """Put n random sequences of length T (second half as the response) into a co-trainer's
-    feature buffer, through the same path as the policy trainer's log-prob forward."""
+    feature buffer, through the same path as the policy trainer's log-prob forward; where the
+    buffer holds prompts out, the first sequence's prompt is a held-out one and the others not."""
     g = torch.Generator().manual_seed(seed)
     device = model.embed_tokens.weight.device
-    ids = torch.randint(3, 60, (n, T), generator=g).to(device)
+    if cot.buffer.heldout_every:
+        ids = rows_held_as([True] + [False] * (n - 1), cot.buffer.heldout_prompt, T, T // 2, g, high=60).to(device)
+    else:
+        ids = torch.randint(3, 60, (n, T), generator=g).to(device)
     with torch.no_grad():
         out = model(ids, tap_layers=model.cfg.feature_layer_ids)
     mask = torch.zeros(n, T, dtype=torch.bool, device=device)

@@ -3,6 +3,7 @@ import torch
 
 from draft_models.train import _LOGP_FLOOR
 from draft_models.vocab import build_draft_vocab, restrict_to_draft
+from helpers import rows_held_as
 from rollout.protocol import SpecStats, Trajectory
 from specrl.buffer import FeatureBuffer
 from target_training.grpo import GRPOConfig, GRPOTrainer
@@ -156,6 +157,36 @@ def test_trainer_forward_source_trims_padding(tiny_model, tiny_cfg):
     assert all(r["target_logp"] is None for r in buf2.sample(2, None))
 
 
+def test_a_held_out_prompt_is_never_trained_on_from_either_source(tiny_model, tiny_cfg):
+    """GRPO groups: 4 prompts, 4 answers each, rows grouped by prompt. The answers to a held-out
+    prompt are all kept out of training: 2 of them measure drafts (heldout_per_prompt), the other
+    2 are dropped, and none of its answers is trained on, so the held-out value does not read a
+    draft's memory of sibling answers. The same prompts at the next policy version (a later
+    epoch) are split the same way, and the engine's trajectories of a held-out prompt are not
+    stored either."""
+    P, T, G = 5, 12, 4
+    buf = FeatureBuffer(budget_bytes=10**7, heldout_every=2, heldout_records=16, heldout_per_prompt=2)
+    gen = torch.Generator().manual_seed(5)
+    prompts = rows_held_as([True, False, True, False], buf.heldout_prompt, P, P, gen)
+    ids = torch.cat([torch.cat([p.expand(G, P), torch.randint(3, 64, (G, T - P), generator=gen)], 1) for p in prompts])
+    mask = torch.zeros(len(ids), T, dtype=torch.bool)
+    mask[:, P:] = True
+    d2t, _ = build_draft_vocab([ids.reshape(-1)], 64, 16)
+    layers = tiny_cfg.feature_layer_ids
+    out = tiny_model(ids, tap_layers=layers)
+    held_keys = {tuple(prompts[i].tolist()) for i in (0, 2)}
+    for version in (0, 1):
+        stored = buf.add_from_trainer_forward(ids, out.features(layers), out.logits, mask, d2t, policy_version=version)
+        assert stored == 2 * G and len(buf.heldout) == 4 * (version + 1)
+        assert buf.counters["skipped_heldout"] == 4 * (version + 1)
+        assert {tuple(r["input_ids"][:P].tolist()) for r in buf.heldout} == held_keys
+        trained = {tuple(e["input_ids"][:P].tolist()) for e in buf._entries.values()}
+        assert trained == {tuple(prompts[i].tolist()) for i in (1, 3)}  # no answer to a held-out prompt
+    trajs = [Trajectory(prompt_ids=prompts[i].tolist(), token_ids=[7, 8, 9], logprobs=torch.zeros(3),
+                        finish_reason="length", features=torch.randn(P + 2, H3).half()) for i in range(4)]
+    assert buf.add_trajectories(trajs, policy_version=2) == 2 and buf.counters["skipped_heldout"] == 10
+
+
 @pytest.mark.parametrize("heldout_only", [False, True])
 def test_logits_at_the_answer_positions_give_the_soft_targets_full_logits_give_where_they_are_read(
         tiny_model, tiny_cfg, heldout_only):
@@ -167,8 +198,11 @@ def test_logits_at_the_answer_positions_give_the_soft_targets_full_logits_give_w
 
     torch.manual_seed(3)
     B, T = 5, 11
-    ids = torch.randint(3, 64, (B, T))
     mask = torch.zeros(B, T, dtype=torch.bool)
+    held = FeatureBuffer(budget_bytes=1, heldout_every=2).heldout_prompt
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.cat([rows_held_as([b % 2 == 0], held, T, lo, gen)  # rows 0, 2 and 4 held out
+                     for b, (lo, _) in enumerate([(4, 11), (2, 6), (5, 9), (3, 11), (6, 8)])])
     for b, (lo, hi) in enumerate([(4, 11), (2, 6), (5, 9), (3, 11), (6, 8)]):
         mask[b, lo:hi] = True
     d2t, _ = build_draft_vocab([ids.reshape(-1)], 64, 16)

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from helpers import PerRunEngine, engine_draft
+from helpers import PerRunEngine, engine_draft, rows_held_as
 from rollout.drafters import SpecConfig
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import SamplingParams
@@ -291,8 +291,10 @@ def test_one_slow_update_does_not_stop_the_draft_for_the_rest_of_the_run(sft_pol
 def test_the_one_cotraining_configuration_measures_gates_and_buys_updates_in_an_rl_run(sft_policy, tmp_path):
     """The RL presets' co-training (presets.cotrained, on the CI model for speed): the steps whose
     boundary trains (every train_every-th) report the serving draft's held-out expected accept
-    length, the others train and measure nothing; every trained draft went through the gate, and
-    the value budget's count is what ran, within the cap of the steps since the last burst."""
+    length once a held-out prompt has come by (one prompt in 8; the CI preset's 4 a step may
+    bring none at first), the others train and measure nothing; every trained draft went through
+    the gate, and the value budget's count is what ran, within the cap of the steps since the
+    last burst."""
     import dataclasses
 
     from specrl.presets import cotrained, get_preset
@@ -307,9 +309,10 @@ def test_the_one_cotraining_configuration_measures_gates_and_buys_updates_in_an_
     rows = _rows(tmp_path / "r")
     steps = [r["train/draft_steps"] for r in rows]
     bursts = [r["step"] % every == 0 for r in rows]
-    assert [r["sched/heldout_accept_length"] is not None for r in rows] == bursts
+    measured = [r["sched/heldout_accept_length"] is not None for r in rows]
+    assert measured[-1] and bursts[-1] and all(b for m, b in zip(measured, bursts) if m)
     assert all(r["sched/heldout_accept_length"] > 1.0 and r["perf/draft_heldout_s"] > 0
-               for r, b in zip(rows, bursts) if b)
+               for r, m in zip(rows, measured) if m)
     assert steps[0] == cotrain.scheduler.draft_steps.base_steps  # the gain is unknown: a probe
     assert all(k == 0 for k, b in zip(steps, bursts) if not b)
     assert all(0 <= k <= every * cotrain.max_draft_steps for k in steps)
@@ -432,7 +435,7 @@ def _heldout_cotrainer(tiny_model, budget, **kw):
                                                   draft_steps=budget), **kw)
     cot = SpecCoTrainer(draft, cfg).attach(engine, trainer)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, 64, (8, 16), generator=gen)
+    ids = rows_held_as([True, False] * 4, cot.buffer.heldout_prompt, 16, 6, gen)
     out = tiny_model(ids, tap_layers=draft.cfg.aux_layer_ids)
     mask = torch.zeros(8, 16, dtype=torch.bool)
     mask[:, 6:] = True
@@ -478,6 +481,56 @@ def test_the_swap_gate_refuses_a_worse_draft_and_training_goes_on_from_the_servi
     m = cot.end_step()
     assert "train/draft_refused" not in m and engine.pushed == [cot.draft_trainer.version]
     assert m["sched/candidate_gain_se"] == 0.0  # the same weights: the same sums on every sequence
+
+
+def test_held_out_sequences_measure_drafts_at_the_rollouts_temperature(tiny_model, prompts):
+    """The engine reports its rollout's temperature, the co-trainer hands it to the buffer, and the
+    held-out rows' soft targets are then the target's log-probs at that temperature: the
+    distribution the engine verifies against (rollout.sampling.process_logits), over the draft
+    vocabulary. Training rows keep the target's own (T = 1). A draft measured on them proposes at
+    the same temperature, so its held-out value is the one the engine would see at 0.5, not at 1."""
+    import torch
+
+    from draft_models.ttt import expected_accept_length
+    from draft_models.vocab import restrict_to_draft
+    from rollout.engine import EmbeddedEngine
+    from rollout.protocol import SamplingParams
+    from rollout.sampling import process_logits
+    from specrl.buffer import FeatureBuffer
+    from specrl.config import DraftBudgetConfig
+    from specrl.cotrain import heldout_accept_length
+
+    cot, _ = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"))
+    rollout = EmbeddedEngine(tiny_model).generate(prompts[:2], SamplingParams(temperature=0.5, max_new_tokens=4, seed=0))
+    assert rollout.stats.temperature == 0.5
+    cot.on_rollout(rollout)
+    assert cot.buffer.heldout_temperature == 0.5
+
+    draft, layers = cot.draft, tuple(cot.draft.cfg.aux_layer_ids)
+    ids = rows_held_as([True, False] * 2, FeatureBuffer(1, heldout_every=2).heldout_prompt, 16, 6,
+                       torch.Generator().manual_seed(2))
+    out = tiny_model(ids, tap_layers=layers)
+    mask = torch.zeros(4, 16, dtype=torch.bool)
+    mask[:, 6:] = True
+    bufs = {}
+    for temp in (1.0, 0.5):
+        bufs[temp] = FeatureBuffer(1 << 26, heldout_every=2)
+        bufs[temp].heldout_temperature = temp
+        bufs[temp].add_from_trainer_forward(ids, out.features(layers), out.logits, mask, draft.d2t, 0)
+    held = bufs[0.5].heldout  # rows 0 and 2
+    engine_p = restrict_to_draft(process_logits(out.logits, 0.5), draft.d2t).clamp_min(-30.0)
+    assert [r["temperature"] for r in held] == [0.5, 0.5]
+    assert torch.allclose(held[1]["target_logp"].float(), engine_p[2], atol=2e-2)
+    assert not torch.allclose(bufs[1.0].heldout[1]["target_logp"].float(), engine_p[2], atol=2e-2)
+    train = [[e["target_logp"] for e in b._entries.values()] for b in bufs.values()]
+    assert all(torch.equal(a, b) for a, b in zip(*train))  # rows 1 and 3: the target's own distribution
+
+    value = heldout_accept_length(draft, held, cot.config.spec.gamma)[0]
+    rows = torch.tensor([0, 2])
+    want = expected_accept_length(draft, out.features(layers)[rows].float(), ids[rows], engine_p[rows], mask[rows],
+                                  cot.config.spec.gamma, temperature=0.5)[0]
+    assert value == pytest.approx(want, rel=2e-3)
+    assert abs(heldout_accept_length(draft, bufs[1.0].heldout, cot.config.spec.gamma)[0] - value) > 1e-2
 
 
 @pytest.mark.parametrize("floor", [True, False])
@@ -546,7 +599,7 @@ def test_the_serving_draft_is_measured_once_per_held_out_sequence_and_again_afte
 
     monkeypatch.setattr(cotrain_mod, "expected_accept_sums", counting)
     assert cot._serving_heldout() > 1.0 and measured == [4]
-    ids = torch.randint(3, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    ids = rows_held_as([True, False] * 2, cot.buffer.heldout_prompt, 16, 6, torch.Generator().manual_seed(1))
     mask = torch.zeros(4, 16, dtype=torch.bool)
     mask[:, 6:] = True
     cot.test_capture(ids, tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids), mask)  # 2 of them held out
@@ -603,7 +656,7 @@ def test_train_every_runs_one_gated_burst_every_n_steps_with_the_updates_owed_in
     curve = []
     for _ in range(7):
         cot.begin_step()
-        ids = torch.randint(3, 64, (4, 16), generator=gen)  # new answers, 2 of them held out, every step
+        ids = rows_held_as([True, False] * 2, cot.buffer.heldout_prompt, 16, 6, gen)  # new answers, 2 held out
         mask = torch.zeros(4, 16, dtype=torch.bool)
         mask[:, 6:] = True
         cot.test_capture(ids, tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids), mask)
@@ -861,7 +914,7 @@ def test_an_idle_draft_is_measured_only_as_often_as_its_share_of_the_step_allows
     for _ in range(12):
         cot.begin_step()
         cot.on_rollout(Rollout([spec], RolloutStats(5.0, 1000, speculated=False)))
-        ids = torch.randint(3, 64, (2, 16), generator=gen)  # new held-out answers every step
+        ids = rows_held_as([True, True], cot.buffer.heldout_prompt, 16, 6, gen)  # new held-out answers every step
         mask = torch.zeros(2, 16, dtype=torch.bool)
         mask[:, 6:] = True
         out = tiny_model(ids, tap_layers=cot.draft.cfg.aux_layer_ids)

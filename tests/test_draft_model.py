@@ -402,3 +402,10 @@ def test_expected_accept_length_is_the_chained_product_of_per_step_acceptance(mo
     wrong[..., 1] = 5.0  # greedy: the draft's argmax is never the target's
     planted(wrong)
     assert ttt.expected_accept_length(draft, feats, ids, logp, mask, gamma, greedy=True)[0] == 1.0
+    # at temperature 0.5 the draft proposes from softmax(logits / 0.5): its sharper q against the
+    # target's p (given at that temperature) sets each step's acceptance
+    planted(wrong)
+    q = torch.softmax(wrong[0, 0] / 0.5, -1)
+    a = float(torch.minimum(logp[0, 0].exp(), q).sum())
+    e, depth = ttt.expected_accept_length(draft, feats, ids, logp, mask, gamma, temperature=0.5)
+    assert depth[0] == pytest.approx(a) and a < float(torch.minimum(logp[0, 0].exp(), wrong[0, 0].softmax(-1)).sum())

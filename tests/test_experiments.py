@@ -279,7 +279,7 @@ def test_the_loss_comparison_trains_both_objectives_on_the_same_data_and_measure
     unknown arm is refused."""
     from experiments.loss_compare import ARMS, compare, main
 
-    r = compare("arith", "ci", tmp_path / "l", seed=0, rl_steps=1, updates=5, arms=tuple(ARMS), on_policy=True,
+    r = compare("arith", "ci", tmp_path / "l", seed=0, rl_steps=3, updates=5, arms=tuple(ARMS), on_policy=True,
                 cache_dir=sft_policy[3], log=lambda *a: None)
     assert set(r["arms"]) == {"start", *ARMS} and r["same_tokens"] is True
     assert r["arms"]["ce-bf16"]["loss_last"] != r["arms"]["ce"]["loss_last"]  # the precision arm did differ
