@@ -51,6 +51,19 @@ def _draft_logp(logits: torch.Tensor, d2t: torch.Tensor, at: torch.Tensor | None
     return logp
 
 
+def _rows_logits(logits: torch.Tensor, at: torch.Tensor | None, rows: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(logits, at) of some rows of a batch: logits (B, T, V) -> (R, T, V); or compact (N, V) at
+    the positions `at` (B, T) marks (row-major, as logit_positions lays them out) -> those of the
+    rows, with `at` (R, T). rows: (R,) row indices, increasing."""
+    if at is None:
+        return logits[rows], None
+    B, T = at.shape
+    keep = torch.zeros(B, dtype=torch.bool, device=at.device)
+    keep[rows.to(at.device)] = True
+    return logits[keep[:, None].expand(B, T)[at]], at[rows.to(at.device)]
+
+
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
@@ -202,8 +215,9 @@ class FeatureBuffer:
         if self.heldout_every > 0 and logits is not None:  # hard labels (no logits) measure nothing: all train
             ids_host, firsts = input_ids.detach().cpu(), mask.to(torch.int8).argmax(1).tolist()
             for b, n in enumerate(lengths):
-                if n > 0 and self.heldout_prompt(ids_host[b, :firsts[b]]):
-                    state[b] = "held" if self._keep_held(ids_host[b, :firsts[b]], policy_version) else "skip"
+                key = self._prompt_key(ids_host[b, :firsts[b]]) if n > 0 else None
+                if key is not None and self._held_key(key):
+                    state[b] = "held" if self._keep_held(key, policy_version) else "skip"
                     self.counters["skipped_heldout"] += state[b] == "skip"
         held = [st == "held" for st in state]
         at = None  # (B, T) bool: where compact (N, V) logits were computed
@@ -221,13 +235,8 @@ class FeatureBuffer:
             state = ["held"] * len(rows)
             if len(rows) < B:
                 idx = torch.tensor(rows, device=input_ids.device)
-                if at is not None:  # the compact rows are row-major: keep those of the held-out rows
-                    keep = torch.zeros(B, dtype=torch.bool, device=at.device)
-                    keep[idx] = True
-                    logits = logits[keep[:, None].expand(B, T)[at]]
-                    at = at[idx]
-                elif logits is not None:
-                    logits = logits[idx]
+                if logits is not None:
+                    logits, at = _rows_logits(logits, at, idx)
                 input_ids, features, mask = input_ids[idx], features[idx], mask[idx]
                 lengths, held = [lengths[b] for b in rows], [True] * len(rows)
                 B = len(rows)
@@ -236,13 +245,7 @@ class FeatureBuffer:
         logp = None if logits is None or (hot and all(held)) else _draft_logp(logits, d2t, at, (B, T), 1.0)
         if hot:  # the held-out rows' log-probs at the rollouts' temperature (the others' are not used)
             rows = torch.tensor([b for b in range(B) if held[b]], device=logits.device)
-            sub_at, sub = at, logits
-            if at is not None:  # the compact rows are row-major: keep those of the held-out rows
-                keep = torch.zeros(B, dtype=torch.bool, device=at.device)
-                keep[rows] = True
-                sub, sub_at = logits[keep[:, None].expand(B, T)[at]], at[rows]
-            else:
-                sub = logits[rows]
+            sub, sub_at = _rows_logits(logits, at, rows)
             hot_logp = _draft_logp(sub, d2t, sub_at, (len(rows), T), temp)
             logp = hot_logp.new_full((B, T, hot_logp.shape[-1]), _LOGP_FLOOR) if logp is None else logp
             logp[rows] = hot_logp
@@ -271,18 +274,22 @@ class FeatureBuffer:
         draft ever trains on an answer to it (nor on its sibling answers in a GRPO group, which
         would make the held-out value read the draft's memory of the prompt). The prompt is the
         row's tokens before its first answer token: rows must be right-padded (prompt first)."""
-        if self.heldout_every <= 0:
-            return False
-        data = torch.as_tensor(prompt_ids, dtype=torch.int64).cpu().numpy().tobytes()
-        return zlib.crc32(data, self.seed & 0xFFFFFFFF) % self.heldout_every == 0
+        return self._held_key(self._prompt_key(prompt_ids))
 
-    def _keep_held(self, prompt_ids: torch.Tensor, policy_version: int) -> bool:
-        """Count one more answer to a held-out prompt at this policy version; True while at most
-        heldout_per_prompt of them are kept."""
+    @staticmethod
+    def _prompt_key(prompt_ids) -> bytes:
+        """A prompt's identity: its token ids as int64 bytes."""
+        return torch.as_tensor(prompt_ids, dtype=torch.int64).cpu().numpy().tobytes()
+
+    def _held_key(self, key: bytes) -> bool:
+        return self.heldout_every > 0 and zlib.crc32(key, self.seed & 0xFFFFFFFF) % self.heldout_every == 0
+
+    def _keep_held(self, key: bytes, policy_version: int) -> bool:
+        """Count one more answer to a held-out prompt (`_prompt_key`) at this policy version; True
+        while at most heldout_per_prompt of them are kept."""
         version, kept = self._held_now
         if version != policy_version:
             self._held_now = version, kept = policy_version, {}
-        key = prompt_ids.numpy().tobytes()
         kept[key] = kept.get(key, 0) + 1
         return kept[key] <= self.heldout_per_prompt
 
