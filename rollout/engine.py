@@ -320,6 +320,8 @@ class EmbeddedEngine:
             for i, s in enumerate(slots):
                 if s is not None and s.finish_reason is not None:
                     slots[i] = None
+        if spec is not None:
+            spec.settle([len(s.tokens) for s in states], n_decode, phase_s["full"] + phase_s["tail"], spec_steps)
         stats = RolloutStats(wall_s=time.perf_counter() - t0, tokens=sum(len(s.tokens) for s in states),
                              speculated=spec is not None, hook_s=hook_s, engine_steps=steps, spec_steps=spec_steps,
                              full_batch_s=phase_s["full"], tail_s=phase_s["tail"],

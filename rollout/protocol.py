@@ -199,7 +199,7 @@ class RolloutStats:
     full_batch_s: float | None = None  # wall time of the steps at the full batch
     tail_s: float | None = None  # and of the long tail's smaller ones
     spec_faults: int = 0  # draft-side faults absorbed in the call (it then decoded plainly)
-    spec_saved_s: float | None = None  # seconds speculation saved, estimated from measured plain steps
+    spec_saved_s: float | None = None  # seconds speculation saved: plain decoding of the same tokens, priced (SpecSession.settle)
     temperature: float | None = None  # the call's sampling temperature (0: greedy); None where not reported
 
     @property

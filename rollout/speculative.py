@@ -10,6 +10,8 @@ rollout.drafters; the engine drives a step (rollout.engine) and this module neve
 from __future__ import annotations
 
 import warnings
+from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -94,8 +96,7 @@ class SpecSession:
         self.spec, self.cfg, self.proposer = spec, spec.config, proposer
         self.faulted = False
         self.target_error: Exception | None = None  # set by the engine when the target's verify forward fails
-        # estimated seconds speculation saved in this call (step policy only): per speculative step,
-        # its tokens per sequence at the measured seconds of a plain step of that batch size, minus its time
+        # estimated seconds speculation saved in this call (step policy only; `settle` prices it at the end)
         self.saved_s: float | None = 0.0 if spec.policy is not None else None
 
     def should_speculate(self, n_active: int) -> bool:
@@ -122,16 +123,37 @@ class SpecSession:
         return policy.gamma_for_step() if policy is not None else self.cfg.gamma
 
     def observe(self, step: StepStats) -> None:
-        """Feed a step's figures to the policy, if any, and count the time a speculative step
-        saved against a plain step of its batch size (where one was measured)."""
+        """Feed a step's figures to the policy, if any."""
+        if self.spec.policy is not None:
+            self.spec.policy.observe(step)
+
+    def settle(self, lengths: Sequence[int], width: int, decode_s: float, spec_steps: int) -> None:
+        """Price the call (step policy only): `saved_s` = the seconds plain decoding would take to
+        emit the same tokens, less `decode_s`, the measured seconds of the call's engine steps.
+        Plain decoding's steps are counted as the call ran them (`plain_batch_sizes`: `lengths`,
+        the tokens of each row in admission order, at most `width` rows a step), each at the
+        policy's measured plain-step seconds for its batch size. No cost model enters: where a
+        step's cost grows with its rows (a CPU) the tail's small steps are cheap, where every step
+        costs the same (a launch-bound GPU) they are not, and the batch waits for its longest row
+        either way. Prefill fused into a step counts in `decode_s` only, so the saving is
+        understated by it. 0 when no step speculated; None when a batch size has no measured
+        plain step yet."""
         policy = self.spec.policy
         if policy is None:
             return
-        if step.gamma and step.seconds is not None:
-            plain = policy.plain_seconds(step.n_active)
-            if plain is not None:
-                self.saved_s += step.tokens_per_seq * plain - step.seconds
-        policy.observe(step)
+        if spec_steps == 0:
+            self.saved_s = 0.0
+            return
+        seconds: dict[int, float | None] = {}
+        plain = 0.0
+        for n in plain_batch_sizes(lengths, width):
+            if n not in seconds:
+                seconds[n] = policy.plain_seconds(n)
+            if seconds[n] is None:
+                self.saved_s = None
+                return
+            plain += seconds[n]
+        self.saved_s = plain - decode_s
 
     def on_fault(self, err: Exception) -> None:
         """A draft-side failure: plain decoding for the rest of this generate() call; the next
@@ -143,3 +165,20 @@ class SpecSession:
         self.spec.faults.append(msg)
         self.faulted = True
         warnings.warn(f"speculation disabled for this rollout after a draft failure ({msg})", RuntimeWarning)
+
+
+def plain_batch_sizes(lengths: Sequence[int], width: int) -> list[int]:
+    """The batch size of each engine step that plain decoding takes to emit `lengths[i]` tokens
+    for row i: rows join in order as rows finish, at most `width` decoding at once, and each row's
+    first token comes with its prompt's prefill (so a row of L tokens decodes in L - 1 steps).
+    One entry per step. The embedded engine schedules so where enough prompts are prefilled
+    ahead; with fewer, a step after more rows end at once than were prefilled runs a row short."""
+    queue = deque(n - 1 for n in lengths if n > 1)
+    active: list[int] = []
+    sizes: list[int] = []
+    while queue or active:
+        while queue and len(active) < width:
+            active.append(queue.popleft())
+        sizes.append(len(active))
+        active = [r - 1 for r in active if r > 1]
+    return sizes

@@ -205,34 +205,44 @@ def test_pricing_caps_the_acceptance_rule():
     assert unpriced.steps(CAP) > 1 and b.steps(CAP) == 1
 
 
-def test_the_engine_estimates_its_saving_from_measured_plain_steps():
-    """spec_saved_s: tokens a speculative step emitted per sequence at the bucket's measured plain
-    step time, minus the step's own time; None without a controller."""
+def test_the_engine_prices_its_saving_as_plain_decoding_of_the_same_tokens():
+    """spec_saved_s: plain decoding's steps for the call's tokens (each row's length, rows joining
+    as slots free), each at its batch size's measured plain-step time, less the call's measured
+    step time; 0 without a speculative step, None while a batch size has no plain time, and
+    None without a controller."""
     from rollout.drafters import DrafterSpec, SpecConfig
     from rollout.protocol import StepStats
-    from rollout.speculative import Speculator
+    from rollout.speculative import Speculator, plain_batch_sizes
     from specrl.config import ControllerConfig
     from specrl.controller import SpeculationController
 
+    # rows of 5, 3, 3 and 1 tokens (the first from the prefill), 4 at a time; then 2 at a time
+    assert plain_batch_sizes([5, 3, 3, 1], 4) == [3, 3, 1, 1]
+    assert plain_batch_sizes([3, 3, 3], 2) == [2, 2, 1, 1]
+    assert plain_batch_sizes([1, 1], 4) == []
+
     drafter = DrafterSpec("custom", spec=SpecConfig(gamma=2), proposer=lambda n, m: None)
-    assert Speculator(drafter).begin(4, 16).saved_s is None  # no controller: no estimate
-    controller = SpeculationController(ControllerConfig(gammas=(1, 2)))
-    session = Speculator(drafter, controller).begin(4, 16)
+    none = Speculator(drafter).begin(4, 16)
+    none.settle([5, 3], 4, 0.1, 1)
+    assert none.saved_s is None  # no controller: no estimate
 
-    def step(seconds):
-        return StepStats(4, seconds, gamma=2, tokens_per_seq=3.0, accepted=8, drafted=8)
+    def priced(plain_s: dict[int, float], lengths, decode_s, spec_steps=1):
+        controller = SpeculationController(ControllerConfig(gammas=(1, 2), batch_buckets=(1, 2, 4)))
+        session = Speculator(drafter, controller).begin(4, 16)
+        for n, t in plain_s.items():
+            session.observe(StepStats(n, t))
+        session.settle(lengths, 4, decode_s, spec_steps)
+        return session.saved_s
 
-    session.observe(step(0.10))  # no plain step measured yet at this batch: no estimate
-    session.observe(StepStats(4, 0.05))  # a plain step: 0.05 s
-    session.observe(step(0.10))  # 3 tokens for 0.10 s where plain takes 3 * 0.05 s
-    assert session.saved_s == pytest.approx(3 * 0.05 - 0.10)
-    # a step that also ran new requests' prefill (no time reported): its acceptance is kept
-    alpha_n, spec_n = controller.alpha.n, controller.buckets[4].spec[2].n
-    session.observe(StepStats(4, None))
-    session.observe(step(None))
-    assert controller.plain_seconds(4) == pytest.approx(0.05)
-    assert session.saved_s == pytest.approx(3 * 0.05 - 0.10)
-    assert controller.buckets[4].spec[2].n == spec_n and controller.alpha.n == alpha_n + 1
+    # launch-bound (every step 0.05 s whatever its rows): 4 plain steps for these rows, the
+    # longest row's, cost 0.20 s; rows' mean tokens would have counted 2.5 steps
+    gpu = {4: 0.05, 2: 0.05, 1: 0.05}
+    assert priced(gpu, [5, 3, 3, 1], 0.12) == pytest.approx(4 * 0.05 - 0.12)
+    # a step's cost growing with its rows: the tail's steps of one row are cheap
+    cpu = {4: 0.08, 2: 0.04, 1: 0.02}
+    assert priced(cpu, [5, 3, 3, 1], 0.12) == pytest.approx(2 * 0.08 + 2 * 0.02 - 0.12)
+    assert priced(cpu, [5, 3, 3, 1], 0.12, spec_steps=0) == 0.0  # nothing speculated: nothing saved
+    assert priced({4: 0.08}, [5, 3, 3, 1], 0.12) is None  # one row's steps: no plain time measured
 
 
 def test_priced_state_round_trip():

@@ -335,6 +335,54 @@ def test_prefill_ahead_changes_only_the_step_count(sft_policy, offline_draft, mo
         assert steps[1] < steps[0]
 
 
+class _FixedPolicy:
+    """A step policy that always speculates a chain of 2 and reads plain steps at fixed times."""
+
+    def should_speculate(self, n_active):
+        return True
+
+    def gamma_for_step(self):
+        return 2
+
+    def exploited(self, n_active):
+        return 2
+
+    def max_depth(self):
+        return 2
+
+    def plain_seconds(self, n_active):
+        return 0.002 + 0.001 * n_active
+
+    def observe(self, stats):
+        pass
+
+
+def test_the_saving_is_priced_on_the_steps_plain_decoding_takes(sft_policy, offline_draft):
+    """plain_batch_sizes gives the batch size of every step plain decoding takes (the engine's
+    own, through the step hooks, with prompts prefilled ahead: rows joining as slots free, more
+    prompts than slots), and a speculating call's spec_saved_s is those steps at the policy's
+    plain times less its own."""
+    from rollout.speculative import plain_batch_sizes
+
+    tokenizer, task, policy, _ = sft_policy
+    prompts = _prompts(tokenizer, task, 12)
+    params = SamplingParams(temperature=1.0, max_new_tokens=40, stop_token_ids=(tokenizer.eos_id,), seed=5)
+    config = EngineConfig(max_batch=4, prefill_ahead=2)  # with 1, two rows ending at once leave one step a row short
+    plain = EmbeddedEngine(policy, config)
+    sizes = []
+    plain.step_hooks.append(lambda n_active, n_slots: sizes.append(n_active))
+    out = plain.generate(prompts, params)
+    lengths = [len(t.token_ids) for t in out]
+    assert len(set(lengths)) > 2 and sizes == plain_batch_sizes(lengths, 4)
+    engine = EmbeddedEngine(policy, config, drafter=DrafterSpec(draft=offline_draft, spec=SPEC_CONFIGS["chain"]),
+                            policy=_FixedPolicy())
+    spec = engine.generate(prompts, params)
+    assert [t.token_ids for t in spec] == [t.token_ids for t in out]  # coupled sampling: the same tokens
+    priced = sum(_FixedPolicy().plain_seconds(n) for n in sizes)
+    assert spec.stats.spec_steps > 0
+    assert spec.stats.spec_saved_s == pytest.approx(priced - spec.stats.full_batch_s - spec.stats.tail_s)
+
+
 @pytest.mark.parametrize("value", [-1, 5, True, 1.0])
 def test_bad_prefill_ahead(value):
     with pytest.raises(ValueError, match="prefill_ahead"):
