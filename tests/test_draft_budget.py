@@ -243,6 +243,17 @@ def test_the_engine_prices_its_saving_as_plain_decoding_of_the_same_tokens():
     assert priced(cpu, [5, 3, 3, 1], 0.12) == pytest.approx(2 * 0.08 + 2 * 0.02 - 0.12)
     assert priced(cpu, [5, 3, 3, 1], 0.12, spec_steps=0) == 0.0  # nothing speculated: nothing saved
     assert priced({4: 0.08}, [5, 3, 3, 1], 0.12) is None  # one row's steps: no plain time measured
+    # a step that also ran new requests' prefill (no time reported): its acceptance still reaches
+    # the controller, and no plain time is taken from it
+    controller = SpeculationController(ControllerConfig(gammas=(1, 2)))
+    session = Speculator(drafter, controller).begin(4, 16)
+    session.observe(StepStats(4, 0.05))
+    session.observe(StepStats(4, 0.10, gamma=2, tokens_per_seq=3.0, accepted=8, drafted=8))
+    alpha_n, spec_n = controller.alpha.n, controller.buckets[4].spec[2].n
+    session.observe(StepStats(4, None))
+    session.observe(StepStats(4, None, gamma=2, tokens_per_seq=3.0, accepted=8, drafted=8))
+    assert controller.plain_seconds(4) == pytest.approx(0.05)
+    assert controller.buckets[4].spec[2].n == spec_n and controller.alpha.n == alpha_n + 1
 
 
 def test_priced_state_round_trip():
