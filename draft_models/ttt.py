@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from draft_models.vocab import draft_to_target_ids, restrict_to_draft, target_to_draft_ids
+from rollout.acceptance import coupled_accept_prob, rejection_accept_prob
 
 
 def shift_left(input_ids: torch.Tensor, k: int, pad: int = 0) -> torch.Tensor:
@@ -138,7 +139,7 @@ def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp
         if target_logp is not None:
             ce = -(p_soft[:, j] * logq).sum(-1)
             m_ce = m
-            accept = torch.minimum(p_raw[:, j], logq.exp()).sum(-1)
+            accept = rejection_accept_prob(p_raw[:, j], logq.exp())
         else:
             lab = label_d[:, j]
             inv = lab >= 0
@@ -169,7 +170,7 @@ def ttt_loss(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp
 @torch.no_grad()
 def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
                          loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False,
-                         temperature: float = 1.0) -> list[list[float]]:
+                         temperature: float = 1.0, coupled: bool = False) -> list[list[float]]:
     """The draft's expected accept length per verify step with chains of `gamma`, on sequences the
     policy wrote, as per-sequence sums -> B lists [sum_t E_t, sum_t a_{t,0}, ..., sum_t a_{t,gamma-1},
     rows]: mean_accept_length turns any set of them into (E, per-depth acceptance), so a
@@ -179,7 +180,10 @@ def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor,
     x_{t+2}..x_{t+1+gamma} by chaining its own steps (the TTT unroll, row t of step k). Step k is
     accepted with probability a_{t,k} = sum_x min(p(x), q(x)) under rejection sampling (p: the
     target at position t+1+k, unrenormalised over the draft vocabulary, since a token outside it
-    is never proposed; q: the draft), or 1[argmax q == argmax p] with `greedy`. The step emits
+    is never proposed; q: the draft), the probability that the two Gumbel-max draws agree under
+    coupled sampling (`coupled`: rollout.acceptance.coupled_accept_prob, at most the former), or
+    1[argmax q == argmax p] with `greedy`. Each is the acceptance of the engine's rule of that
+    name (the embedded engine samples coupled by default; vLLM and SGLang by rejection). The step emits
     E_t = 1 + sum_{k<gamma} prod_{j<=k} a_{t,j} tokens (the bonus token plus the accepted run);
     a position past the answer's end accepts nothing. E is the mean of E_t over rows t whose
     first proposed token x_{t+2} is an answer token (loss_mask).
@@ -215,7 +219,7 @@ def expected_accept_sums(draft, features: torch.Tensor, input_ids: torch.Tensor,
             if greedy:
                 a[:, s:n] = (q.argmax(-1) == pk.argmax(-1)).float()
             else:
-                a[:, s:n] = torch.minimum(pk, q).sum(-1)
+                a[:, s:n] = (coupled_accept_prob if coupled else rejection_accept_prob)(pk, q)
             a[:, s:n] *= mask[:, 2 + k + s: 2 + k + n]
         running = running * a
         expected = expected + running
@@ -261,8 +265,8 @@ def paired_gain(sums_a: list[list[float]], sums_b: list[list[float]]) -> tuple[f
 
 def expected_accept_length(draft, features: torch.Tensor, input_ids: torch.Tensor, target_logp: torch.Tensor,
                            loss_mask: torch.Tensor, gamma: int, *, greedy: bool = False,
-                           temperature: float = 1.0) -> tuple[float, list[float]]:
+                           temperature: float = 1.0, coupled: bool = False) -> tuple[float, list[float]]:
     """The draft's expected accept length per verify step with chains of `gamma` over a batch of
     sequences -> (E, per-depth acceptance) (see expected_accept_sums for the terms)."""
     return mean_accept_length(expected_accept_sums(draft, features, input_ids, target_logp, loss_mask, gamma,
-                                                   greedy=greedy, temperature=temperature))
+                                                   greedy=greedy, temperature=temperature, coupled=coupled))

@@ -96,7 +96,8 @@ def measure(run, draft, prompts, params, ids) -> dict:
     from rollout.protocol import summarize_spec_stats
     from specrl.cotrain import heldout_accept_length
 
-    expected, depth = heldout_accept_length(draft, run.cotrain.buffer.heldout, run.preset.cotrain.spec.gamma)
+    expected, depth = heldout_accept_length(draft, run.cotrain.buffer.heldout, run.preset.cotrain.spec.gamma,
+                                            coupled=run.cotrain.acceptance == "coupled")  # the engine's rule
     weights = {k: v.detach().cpu().clone() for k, v in draft_state_dict_for_sglang(draft).items()}
     run.engine.set_speculation(True)
     run.engine.push_draft(weights, run.engine.draft_version + 1)
@@ -156,7 +157,8 @@ def compare(task: str, preset_name: str, out_dir, *, seed: int = 0, rl_steps: in
         for n in points:
             while len(steps) < n:
                 steps.append(trainer.train_step(buffer, gen, min_version=min_version))
-            value, _ = heldout_accept_length(draft, buffer.heldout, preset.cotrain.spec.gamma)
+            value, _ = heldout_accept_length(draft, buffer.heldout, preset.cotrain.spec.gamma,
+                                             coupled=run.cotrain.acceptance == "coupled")
             curve.append({"step": n, "seconds": sum(x["seconds"] for x in steps), "heldout": value})
         m = measure(run, draft, prompts, params, ids)
         m["lr"], m["batch_size"] = config.lr, config.batch_size

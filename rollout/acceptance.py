@@ -58,6 +58,39 @@ def rejection_update(p: torch.Tensor, q: torch.Tensor, x: Long) -> tuple[torch.T
     return residual(p, q), q_next
 
 
+# ----------------------------------------------------------------------------- acceptance probabilities
+def rejection_accept_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The probability that rejection sampling accepts a token drafted from q, sum_x min(p(x), q(x)).
+    p, q (..., V) probabilities (p may hold less than 1 where the draft's vocabulary is a subset
+    of the target's: the rest is on tokens never drafted) -> (...)."""
+    return torch.minimum(p, q).sum(-1)
+
+
+def coupled_accept_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The probability that coupled sampling accepts the drafted token: that the target's and the
+    draft's Gumbel-max draws with the same noise pick the same token. p (..., V): the target's
+    probabilities over the tokens the draft can propose (summing to P <= 1; the rest, 1 - P, is on
+    tokens it never proposes); q (..., V): the draft's, summing to 1 -> (...).
+
+    Both draws pick token i with probability 1 / sum_j max(p_j / p_i, q_j / q_i), the sum over
+    the whole vocabulary (a token the draft never proposes adds p_j / p_i), so the answer is
+    sum_i p_i / (sum_j max(p_j, c_i q_j) + 1 - P) with c_i = p_i / q_i over tokens with p_i, q_i > 0.
+    For a given i, max(p_j, c_i q_j) is p_j where p_j / q_j >= c_i and c_i q_j elsewhere, so one
+    sort of the tokens by p_j / q_j and two cumulative sums give every i's sum: O(V log V), not
+    O(V^2). It is at most rejection_accept_prob(p, q) (a coupling can agree no more often than
+    the maximal one) and equals it where q is p renormalised over the draft's tokens."""
+    valid = (p > 0) & (q > 0)  # tokens both can pick
+    ratio = torch.where(valid, p / q.clamp_min(1e-38), torch.where(q > 0, 0.0, float("inf")))  # (..., V)
+    order = ratio.argsort(dim=-1, descending=True)
+    r_sorted = ratio.gather(-1, order)
+    cum_p, cum_q = p.gather(-1, order).cumsum(-1), q.gather(-1, order).cumsum(-1)  # (..., V)
+    above = torch.searchsorted(-r_sorted.contiguous(), -ratio.contiguous(), right=True)  # j with ratio_j >= ratio_i
+    at = (above - 1).clamp_min(0)
+    c = torch.where(valid, ratio, 0.0)
+    total = cum_p.gather(-1, at) + c * (cum_q[..., -1:] - cum_q.gather(-1, at)) + (1.0 - cum_p[..., -1:]).clamp_min(0.0)
+    return torch.where(valid, p / total.clamp_min(1e-38), 0.0).sum(-1)
+
+
 # ----------------------------------------------------------------------------- chains
 def verify_chain_greedy(draft_tokens: Long, target_logits: torch.Tensor) -> tuple[Long, Long]:
     """Longest prefix equal to the target's argmax, then the argmax at the first mismatch

@@ -172,6 +172,8 @@ class EmbeddedEngine:
         self.config = config or EngineConfig()
         self.max_len = self.config.max_len or model.cfg.max_seq_len
         self._speculator = None  # rollout.speculative.Speculator, from install_draft; None: plain decoding
+        if self.config.sampling_mode != "coupled":  # sampled drafts are accepted by rejection sampling
+            self.capabilities = dataclasses.replace(EmbeddedEngine.capabilities, acceptance="rejection")
         self._speculate = False  # set_speculation: whether the next calls use the drafter
         self.compiled = CompiledForwards(model) if self.config.compile_forwards else None  # rollout.compiled
         self.generator: torch.Generator | None = None  # "rng" mode's stream; made on the model's device
@@ -191,7 +193,7 @@ class EmbeddedEngine:
 
     # -- protocol -------------------------------------------------------------------------
     capabilities = EngineCapabilities(drafters=METHODS, step_policy=True, switch="free", captures_features=True,
-                                      idle_windows=True)
+                                      idle_windows=True, acceptance="coupled")  # "rejection" in "rng" mode
 
     def load_policy_weights(self, state_dict: dict) -> None:
         """Policy sync. Only the target's own parameters are written; the draft lives apart."""

@@ -268,6 +268,14 @@ class EngineCapabilities:
     switch: str | None = None  # what set_speculation costs: "free", "restart" (a restart without the drafter), None: no switch
     captures_features: bool = False  # generate(capture_features=True) fills Trajectory.features
     idle_windows: bool = False  # step_hooks are called after every engine step
+    # how sampled (temperature > 0) drafts are accepted: "rejection" (speculative sampling: vLLM,
+    # SGLang, the embedded engine's "rng" mode) or "coupled" (draft and target draw with the same
+    # Gumbel noise; the embedded engine's default). A draft's held-out acceptance is read under it.
+    acceptance: str = "rejection"
+
+    def __post_init__(self) -> None:
+        if self.acceptance not in ("rejection", "coupled"):
+            raise ValueError(f"EngineCapabilities.acceptance must be 'rejection' or 'coupled', got {self.acceptance!r}")
 
 
 @runtime_checkable

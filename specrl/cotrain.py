@@ -77,6 +77,9 @@ class SpecCoTrainer:
         self.policy_version = 0
         self.engine = None
         self.trainer = None
+        # how the engine accepts sampled drafts (EngineCapabilities.acceptance): the held-out
+        # acceptance is read under the same rule
+        self.acceptance = "rejection"
         self.controller = None
         self.run_choice = None  # speculate or not per rollout, from whole rollouts (specrl.run_choice)
         self.draft_trainer = None
@@ -163,6 +166,7 @@ class SpecCoTrainer:
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
         caps, c = engine.capabilities, self.config.controller
+        self.acceptance = caps.acceptance
         if self.controller is not None:
             if caps.switch is not None and c.run_rollouts:
                 # speculate or not per rollout, from whole rollouts' speed: above the per-step
@@ -445,7 +449,8 @@ class SpecCoTrainer:
         """`draft`'s expected accept length on the held-out sequences at the configured chain;
         None without any, or without an answer token among them. `sums`: what is known of this
         draft per sequence (heldout_accept_length), kept up to date."""
-        value = heldout_accept_length(draft, self.buffer.heldout, self.config.spec.gamma, sums)
+        value = heldout_accept_length(draft, self.buffer.heldout, self.config.spec.gamma, sums,
+                                      coupled=self.acceptance == "coupled")
         return None if value is None or value[0] != value[0] else value[0]
 
     def _measure_serving(self) -> None:
@@ -831,10 +836,12 @@ class SpecCoTrainer:
         return 1
 
 
-def heldout_accept_length(draft, records, gamma: int, sums: dict | None = None) -> tuple[float, list[float]] | None:
+def heldout_accept_length(draft, records, gamma: int, sums: dict | None = None, *,
+                          coupled: bool = False) -> tuple[float, list[float]] | None:
     """`draft`'s expected accept length with chains of `gamma` on held-out buffer records
     (FeatureBuffer.heldout, with soft targets), and its per-depth acceptance
-    (draft_models.ttt.expected_accept_sums, sampled decoding); None without records. The draft
+    (draft_models.ttt.expected_accept_sums, sampled decoding: accepted by rejection sampling, or
+    by coupled sampling with `coupled`, the engine's rule); None without records. The draft
     is measured in eval mode and left in the mode it was in.
     sums: {id(record): (record, its sums)} already measured for this same draft (the caller
     empties it when the draft's weights change): only the other records are measured, then the
@@ -857,7 +864,7 @@ def heldout_accept_length(draft, records, gamma: int, sums: dict | None = None) 
                 batch = collate(group, w.device, w.dtype, soft=True)
                 new = expected_accept_sums(draft, batch["features"], batch["input_ids"], batch["target_logp"],
                                            batch["loss_mask"], gamma, greedy=temp == 0.0,
-                                           temperature=temp if temp > 0.0 else 1.0)
+                                           temperature=temp if temp > 0.0 else 1.0, coupled=coupled)
                 sums.update((id(r), (r, s)) for r, s in zip(group, new))
         finally:
             draft.train(was)

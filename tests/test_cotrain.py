@@ -533,6 +533,36 @@ def test_held_out_sequences_measure_drafts_at_the_rollouts_temperature(tiny_mode
     assert abs(heldout_accept_length(draft, bufs[1.0].heldout, cot.config.spec.gamma)[0] - value) > 1e-2
 
 
+def test_the_held_out_acceptance_is_read_under_the_engines_rule(tiny_model, monkeypatch):
+    """An engine that accepts sampled drafts by rejection sampling (vLLM, SGLang, the embedded
+    engine's "rng" mode) has the draft's held-out acceptance read as sum min(p, q); one that
+    couples the draws (the embedded engine's default) as the probability the two draws agree,
+    which is lower for the same draft on the same sequences."""
+    import dataclasses
+
+    from rollout.engine import EmbeddedEngine, EngineConfig
+    from specrl.config import DraftBudgetConfig
+    from specrl.cotrain import heldout_accept_length
+
+    assert EmbeddedEngine(tiny_model).capabilities.acceptance == "coupled"
+    assert EmbeddedEngine(tiny_model, EngineConfig(sampling_mode="rng")).capabilities.acceptance == "rejection"
+    assert EmbeddedEngine.capabilities.acceptance == "coupled"  # the class keeps its default
+    with pytest.raises(ValueError, match="acceptance"):
+        dataclasses.replace(_FreeSwitchEngine.capabilities, acceptance="greedy")
+    values = {}
+    for rule in ("rejection", "coupled"):
+        monkeypatch.setattr(_FreeSwitchEngine, "capabilities",
+                            dataclasses.replace(_FreeSwitchEngine.capabilities, acceptance=rule))
+        cot, _ = _heldout_cotrainer(tiny_model, DraftBudgetConfig(rule="fixed"))
+        assert cot.acceptance == rule
+        values[rule] = cot._heldout_value(cot.draft)
+        want = heldout_accept_length(cot.draft, cot.buffer.heldout, cot.config.spec.gamma, coupled=rule == "coupled")
+        assert values[rule] == pytest.approx(want[0], rel=1e-6)
+        other = heldout_accept_length(cot.draft, cot.buffer.heldout, cot.config.spec.gamma, coupled=rule != "coupled")
+        coupled, rejection = (values[rule], other[0]) if rule == "coupled" else (other[0], values[rule])
+        assert 1.0 < coupled < rejection - 1e-3  # the same draft and sequences: coupling agrees less often
+
+
 @pytest.mark.parametrize("floor", [True, False])
 def test_the_gate_keeps_the_starting_draft_as_a_floor(tiny_model, monkeypatch, floor):
     """A serving draft that has fallen below the starting one on the newest held-out sequences

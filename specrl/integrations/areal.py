@@ -201,7 +201,7 @@ class ChunkServer:
         """The engine's drafters and step policy; features come from the trainer's log-prob
         forward, and the asynchronous loop has no per-rollout switch nor idle windows of its own."""
         caps = self.engine.capabilities
-        return EngineCapabilities(drafters=caps.drafters, step_policy=caps.step_policy)
+        return EngineCapabilities(drafters=caps.drafters, step_policy=caps.step_policy, acceptance=caps.acceptance)
 
     def install_draft(self, drafter, policy=None) -> None:
         self._between_chunks(lambda: self.engine.install_draft(drafter, policy))
