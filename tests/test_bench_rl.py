@@ -279,6 +279,33 @@ def test_frozen_b_is_a_second_frozen_run_and_ratios_over_frozen_are_the_rows_med
     assert "step_over_frozen" not in summarize(rows, [(0, 4)], 1)["arms"]["online"]
 
 
+def test_the_projection_at_offs_own_share_gives_the_measured_step_back():
+    """The projection's model (a step of rollout share f runs f / R + (1 - f)(1 + k) of off's) is
+    exact where the parts are: steps of a fixed rollout, update and co-training. At off's own
+    share it returns the measured step speed-up, and at the field's shares it follows the formula;
+    both are reported beside each other, labelled a projection."""
+    from experiments.bench.rl import PROJECTED_ROLLOUT_SHARES, projected_step_speedup, report
+
+    def row(step, rollout, cotrain=0.0):  # a step of rollout + a 2 s update + its co-training
+        return {"step": step, "step_s": rollout + 2.0 + cotrain, "rollout_s": rollout, "perf/update_s": 2.0,
+                "perf/draft_train_s": cotrain, "perf/feature_capture_s": 0.0}
+    rows = {"off": [row(i, 3.0) for i in range(4)], "online": [row(i, 1.5, 0.1) for i in range(4)]}
+    s = summarize(rows, [(0, 4)], 1)
+    p = s["projection"]["arms"]["online"]
+    assert p["rollout_speedup"] == pytest.approx(2.0) and p["cotrain_over_update"] == pytest.approx(0.05)
+    own = p["at_own_share"]
+    assert own["share"] == pytest.approx(0.6)  # off: 3 s of rollout in a 5 s step
+    assert own["measured_step_speedup"] == pytest.approx(5.0 / 3.6)
+    assert own["step_speedup"] == pytest.approx(5.0 / 3.6)  # the model gives the measurement back
+    for f in PROJECTED_ROLLOUT_SHARES:
+        assert p["step_speedup"][str(f)] == pytest.approx(1.0 / (f / 2.0 + (1.0 - f) * 1.05))
+    assert projected_step_speedup(1.0, 2.0, 0.05) == pytest.approx(2.0)  # all rollout: the rollout's speed-up
+    line = [x for x in report({"preset": "ci", "steps": 4, "segment": 4, "warmup_steps": 1,
+                               "engines": {"embedded": s}}) if x.startswith("  projection")]
+    assert line == ["  projection (from measured parts, not a measurement) online: step x at rollout share "
+                    "65% 1.44, 85% 1.72, 95% 1.90; at off's own 60% 1.39 (measured 1.39)"]
+
+
 def test_gate_counts_are_the_runs_totals():
     """The gate's counters are running totals: a run's counts are the largest any row holds, also
     where the last row carries none (an RL step cut short); a run with no gate has None."""

@@ -76,6 +76,9 @@ A projection, labelled as such: this CPU makes a policy update dear against a ro
 accelerator RL runs spend 65-95% of a step in rollout. Taking the measured rollout speed-up R and
 co-training as a measured multiple k of the policy update's time (both are training compute on
 the same device), a step with rollout share f becomes f / R + (1 - f)(1 + k) of an off step.
+At off's own measured share f0 the model must give the measured step speed-up back, up to the
+noise of medians: `at_own_share` sets the two side by side, and it reads what a step figure
+asks of the rollout on this machine (a step x S needs R >= f0 / (1/S - (1 - f0)(1 + k))).
 
 Outputs in DIR: ENGINE/ARM/ (each arm's run folder: run.json, metrics.jsonl with the per-step
 parts), machine.json (written at the start), summary.json, rl_step.png. A DIR holding
@@ -446,6 +449,7 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
     out["response_lengths"] = length_distribution([n for r in rows["off"] for n in r.get("rollout/response_lens", [])],
                                                   max_new_tokens)
     update_off = out["arms"]["off"]["update_s"] or 0.0
+    own = out["arms"]["off"]["rollout_share"]  # off's own rollout share: where the model meets the measurement
     proj = {}
     for a, m in out["arms"].items():
         if a == "off" or not update_off:
@@ -453,11 +457,22 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         k = ((m["feature_capture_s"] or 0.0) + (m["draft_train_s"] or 0.0)) / update_off
         r = m["rollout_speedup"]
         proj[a] = {"cotrain_over_update": k, "rollout_speedup": r,
-                   "step_speedup": {str(f): 1.0 / (f / r + (1.0 - f) * (1.0 + k)) for f in PROJECTED_ROLLOUT_SHARES}}
+                   "step_speedup": {str(f): projected_step_speedup(f, r, k) for f in PROJECTED_ROLLOUT_SHARES},
+                   "at_own_share": {"share": own, "step_speedup": projected_step_speedup(own, r, k),
+                                    "measured_step_speedup": m["step_speedup"]}}
     out["projection"] = {"note": "projected from measured parts (rollout speed-up, co-training over the policy "
-                                 "update's time) at the rollout shares the field reports; not a measurement",
+                                 "update's time) at the rollout shares the field reports; not a measurement. "
+                                 "at_own_share: the same model at off's measured share, beside the measured "
+                                 "step speed-up (how far the model explains the measurement)",
                          "arms": proj}
     return out
+
+
+def projected_step_speedup(share: float, rollout_speedup: float, cotrain_over_update: float) -> float:
+    """Off's step over an arm's, from its parts: a step whose rollout is `share` of off's runs that
+    part `rollout_speedup` times faster, and the rest (the policy update and the step's other work)
+    grows by co-training, `cotrain_over_update` times the update (module docstring)."""
+    return 1.0 / (share / rollout_speedup + (1.0 - share) * (1.0 + cotrain_over_update))
 
 
 def report(summary: dict) -> list[str]:
@@ -497,8 +512,11 @@ def report(summary: dict) -> list[str]:
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "
                          f"p10-p90 {d['p10']}-{d['p90']}, max {d['max']}, {d['at_cap']:.0%} at the cap")
         for a, p in s["projection"]["arms"].items():
+            own = p.get("at_own_share")
             lines.append(f"  projection (from measured parts, not a measurement) {a}: step x at rollout share "
-                         + ", ".join(f"{float(f):.0%} {v:.2f}" for f, v in p["step_speedup"].items()))
+                         + ", ".join(f"{float(f):.0%} {v:.2f}" for f, v in p["step_speedup"].items())
+                         + (f"; at off's own {own['share']:.0%} {own['step_speedup']:.2f} (measured "
+                            f"{own['measured_step_speedup']:.2f})" if own else ""))
     return lines + legend(summary)
 
 
