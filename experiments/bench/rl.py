@@ -75,7 +75,8 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
 A projection, labelled as such: this CPU makes a policy update dear against a rollout, where
 accelerator RL runs spend 65-95% of a step in rollout. Taking the measured rollout speed-up R and
 co-training as a measured multiple k of the policy update's time (both are training compute on
-the same device), a step with rollout share f becomes f / R + (1 - f)(1 + k) of an off step.
+the same device; k from means over the timed steps, so bursts count), a step with rollout share
+f becomes f / R + (1 - f)(1 + k) of an off step.
 At off's own measured share f0 the model must give the measured step speed-up back, up to the
 noise of medians: `at_own_share` sets the two side by side, and it reads what a step figure
 asks of the rollout on this machine (a step x S needs R >= f0 / (1/S - (1 - f0)(1 + k))).
@@ -448,13 +449,16 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
     out["curves"] = {k: [r.get(k) for r in rows["off"]] for k in SAME}
     out["response_lengths"] = length_distribution([n for r in rows["off"] for n in r.get("rollout/response_lens", [])],
                                                   max_new_tokens)
-    update_off = out["arms"]["off"]["update_s"] or 0.0
+    # co-training over the update as means over the timed steps: an arm that trains in bursts
+    # (train_every) trains in one step of N, so the median step's co-training would leave it out
+    update_off = statistics.fmean(r.get("perf/update_s") or 0.0 for r in off) if off else 0.0
     own = out["arms"]["off"]["rollout_share"]  # off's own rollout share: where the model meets the measurement
     proj = {}
     for a, m in out["arms"].items():
         if a == "off" or not update_off:
             continue
-        k = ((m["feature_capture_s"] or 0.0) + (m["draft_train_s"] or 0.0)) / update_off
+        k = statistics.fmean(r.get("perf/feature_capture_s", 0.0) + r.get("perf/draft_train_s", 0.0)
+                             for r in timed[a]) / update_off
         r = m["rollout_speedup"]
         proj[a] = {"cotrain_over_update": k, "rollout_speedup": r,
                    "step_speedup": {str(f): projected_step_speedup(f, r, k) for f in PROJECTED_ROLLOUT_SHARES},
