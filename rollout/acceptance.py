@@ -78,7 +78,8 @@ def coupled_accept_prob(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     For a given i, max(p_j, c_i q_j) is p_j where p_j / q_j >= c_i and c_i q_j elsewhere, so one
     sort of the tokens by p_j / q_j and two cumulative sums give every i's sum: O(V log V), not
     O(V^2). It is at most rejection_accept_prob(p, q) (a coupling can agree no more often than
-    the maximal one) and equals it where q is p renormalised over the draft's tokens."""
+    the maximal one), equal to it where q is p renormalised over the draft's tokens or the
+    vocabulary has two tokens, and below it for most other pairs."""
     valid = (p > 0) & (q > 0)  # tokens both can pick
     ratio = torch.where(valid, p / q.clamp_min(1e-38), torch.where(q > 0, 0.0, float("inf")))  # (..., V)
     order = ratio.argsort(dim=-1, descending=True)
