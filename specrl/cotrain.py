@@ -77,9 +77,6 @@ class SpecCoTrainer:
         self.policy_version = 0
         self.engine = None
         self.trainer = None
-        # how the engine accepts sampled drafts (EngineCapabilities.acceptance): the held-out
-        # acceptance is read under the same rule
-        self.acceptance = "rejection"
         self.controller = None
         self.run_choice = None  # speculate or not per rollout, from whole rollouts (specrl.run_choice)
         self.draft_trainer = None
@@ -166,7 +163,6 @@ class SpecCoTrainer:
         if not isinstance(engine, DraftReceiver):
             raise TypeError(f"{type(engine).__name__} cannot speculate (it is not a rollout.protocol.DraftReceiver)")
         caps, c = engine.capabilities, self.config.controller
-        self.acceptance = caps.acceptance
         if self.controller is not None:
             if caps.switch is not None and c.run_rollouts:
                 # speculate or not per rollout, from whole rollouts' speed: above the per-step
@@ -228,6 +224,13 @@ class SpecCoTrainer:
     @property
     def enabled(self) -> bool:
         return self.config.mode != "off"
+
+    @property
+    def acceptance(self) -> str:
+        """How the attached engine accepts sampled drafts (EngineCapabilities.acceptance; "rejection"
+        before an engine is attached): the held-out acceptance is read under the same rule."""
+        caps = getattr(self.engine, "capabilities", None)
+        return caps.acceptance if caps is not None else "rejection"
 
     @property
     def capture_engine_features(self) -> bool:
