@@ -5,7 +5,8 @@ their spread, written as the JSON docs/results/ keeps (summaries, not run folder
 
 Each RUN_DIR holds a command's summary.json (`specrl bench rl`, `specrl drift`, `specrl bench
 speed`, ...), or the summary-unfinished.json of a bench rl run that stopped early (its
-`unfinished` field says which steps it summarizes). Its numbers are read as flat keys: nested dicts by name, a list of rows by what
+`unfinished` field says which steps it summarizes); a finished bench rl run summarized again by
+newer code (`--report-again`, its `again` field) is read by summary-again.json. Its numbers are read as flat keys: nested dicts by name, a list of rows by what
 names a row (its batch, arm, mode, step, dtype, ...), e.g. `engines.embedded.arms.online.step_speedup` or
 `rows.b16.chain.speedup`; lists of plain numbers (curves) are left out. A key's median, min and
 max are over the runs that have it. The result keeps, per run, its seed, date and code version,
@@ -19,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+SUMMARY_FILES = ("summary-again.json", "summary.json", "summary-unfinished.json")  # what a run folder is read by, in turn
 ROW_NAMES = ("batch", "arm", "mode", "gamma", "step", "dtype", "decoding", "spec")  # what identifies a row in a list
 
 
@@ -42,22 +44,23 @@ def flatten(obj, prefix: str = "") -> dict[str, float]:
 
 def collect(name: str, command: str, runs: list[Path]) -> dict:
     """The result `name` from the summary.json of each run folder."""
-    summaries = []
+    summaries, files = [], []
     for run in runs:
-        path = Path(run) / "summary.json"
-        if not path.is_file():  # a bench rl run that stopped early: the report of its whole segments
-            path = Path(run) / "summary-unfinished.json"
-        if not path.is_file():
+        # a finished run summarized again by newer code (`bench rl --report-again`) is read before its
+        # first summary; a bench rl run that stopped early gives the report of its whole segments
+        path = next((Path(run) / n for n in SUMMARY_FILES if (Path(run) / n).is_file()), None)
+        if path is None:
             raise ValueError(f"{run} holds no summary.json (a finished run's folder is needed) "
                              f"nor summary-unfinished.json (`specrl bench rl --report-unfinished`)")
         summaries.append(json.loads(path.read_text()))
+        files.append(path.name)
     flat = [flatten({k: v for k, v in s.items() if k != "machine"}) for s in summaries]
     keys = sorted(set().union(*flat))
     result = {"result": name, "command": command,
-              "runs": [{"folder": str(run), "seed": s.get("seed"), "date": s.get("machine", {}).get("date"),
+              "runs": [{"folder": str(run), "summary": f, "seed": s.get("seed"), "date": s.get("machine", {}).get("date"),
                         "code_version": s.get("machine", {}).get("code_version"),
                         "machine": {k: v for k, v in s.get("machine", {}).items() if k not in ("date", "code_version")}}
-                       for run, s in zip(runs, summaries)],
+                       for run, f, s in zip(runs, files, summaries)],
               "median": {}, "min": {}, "max": {}, "n": {}}
     for k in keys:
         values = [f[k] for f in flat if k in f]

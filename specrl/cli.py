@@ -37,6 +37,7 @@ COMMANDS = {
     "bench overlap --phases": "experiments.bench.overlap:bench_overlap_phases",
     "bench rl": "experiments.bench.rl:bench_rl",
     "bench rl --report-unfinished": "experiments.bench.rl:report_unfinished",
+    "bench rl --report-again": "experiments.bench.rl:report_again",
     "bench real": "experiments.bench.real:bench_real",
     "bench precision": "experiments.bench.precision:bench_precision",
     "bench update": "experiments.bench.update:bench_update",

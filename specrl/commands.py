@@ -529,6 +529,10 @@ class BenchRL(Run):
                                           "run in --out completed (killed or out of time) into "
                                           "summary-unfinished.json; give the run's --preset/--model, --arms, "
                                           "--segment and --engine")
+    report_again: bool = flag(False, "run nothing: summarize the finished run in --out again, from the steps its "
+                                     "arms saved, with this code (figures its report gained since) into "
+                                     "summary-again.json; give the run's --preset/--model, --arms, --segment and "
+                                     "--engine")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -555,6 +559,13 @@ class BenchRLReport(BenchRL):
                                          "warmup": self.warmup, "prompt_pool": self.prompt_pool}
 
 
+@dataclass(kw_only=True)
+class BenchRLReportAgain(BenchRLReport):
+    """a finished bench rl run summarized again, from the steps its arms saved, with this code"""
+    KEY = "bench rl --report-again"
+    SWITCH = "report_again"
+
+
 # The command line: each (sub)command's name, the class whose fields are its flags, then its
 # variants (subclasses run instead when their SWITCH flag is set); "bench" groups the benchmarks.
 COMMAND_LINE = {
@@ -569,7 +580,7 @@ COMMAND_LINE = {
         "precision": (BenchPrecision,),
         "update": (BenchUpdate,),
         "real": (BenchReal,),
-        "rl": (BenchRL, BenchRLReport),
+        "rl": (BenchRL, BenchRLReport, BenchRLReportAgain),
     },
 }
 BENCH_HELP = "benchmarks that print and save JSON (see `specrl bench`)"

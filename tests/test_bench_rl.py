@@ -463,3 +463,61 @@ def test_the_closing_summary_says_when_speculation_was_switched_off(tmp_path):
     summary = {"reward_start": 0.1, "reward_end": 0.2, "greedy_accuracy_start": 0.3, "greedy_accuracy_end": 0.4,
                "rl_steps": 4, "wall_s": 9.0, "run_choice": choice_history(arm)}
     assert any(k == "speculation" and "switched off at step 2" in v for k, v in _train_rl_headline(summary))
+
+
+def test_per_token_ratios_compare_arms_whose_answers_differ_in_length():
+    """Where the arms' RL runs part (on CUDA), one policy may write answers twice as long as
+    another's: a step ratio then mixes the draft's speed with the answers' length. The per-token
+    ratios divide each step by the tokens its answers hold, so two arms decoding at the same speed
+    per token read 1 whatever their lengths, and a faster one reads its speed-up."""
+    from experiments.bench.rl import report
+
+    def row(step, per_token, lens):  # a step whose time is per_token seconds for each answer token
+        return {"step": step, "step_s": per_token * sum(lens), "rollout_s": 0.8 * per_token * sum(lens),
+                "response_len": sum(lens) / len(lens), "rollout/response_lens": lens}
+    short, long = [10, 20, 30], [20, 40, 60]
+    rows = {"off": [row(i, 0.02, short) for i in range(4)],
+            "frozen": [row(i, 0.01, long) for i in range(4)],  # twice off's speed per token, answers twice as long
+            "frozen-b": [row(i, 0.01, short) for i in range(4)],  # frozen's speed, off's answers
+            "online": [row(i, 0.008, long if i % 2 else short) for i in range(4)]}  # 1.25x frozen per token
+    s = summarize(rows, [(0, 4)], 1)
+    a = s["arms"]
+    assert a["frozen"]["step_speedup"] == pytest.approx(1.0)  # the step ratio hides the draft's x2
+    assert a["frozen"]["token_step_speedup"] == pytest.approx(2.0)
+    assert a["frozen"]["total_token_step_speedup"] == pytest.approx(2.0)
+    assert a["frozen-b"]["step_over_frozen"] == pytest.approx(2.0)  # the A/A arm reads x2 by its answers' length
+    assert a["frozen-b"]["token_step_over_frozen"] == pytest.approx(1.0)  # and x1 per token
+    assert a["online"]["token_step_over_frozen"] == pytest.approx(1.25)
+    assert a["online"]["total_token_step_over_frozen"] == pytest.approx(1.25)
+    assert not s["same_updates"]
+    lines = report({"preset": "ci", "steps": 4, "segment": 4, "warmup_steps": 1, "engines": {"embedded": s}})
+    assert any(x.startswith("    per answer token over frozen: ") and "online x1.250" in x and "frozen-b x1.000" in x
+               for x in lines)
+
+
+def test_a_finished_run_is_summarized_again_from_its_saved_steps(bench, tmp_path, capsys):
+    """`--report-again` summarizes a finished run's saved steps with the code at hand into
+    summary-again.json: the same summary as its steps give, summary.json and the arm folders
+    untouched; asked again, or of a run with no summary.json, it is refused in one line (exit 2)."""
+    import shutil
+
+    out, _ = bench
+    run = tmp_path / "rl"
+    shutil.copytree(out, run)
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    argv = ["bench", "rl", "--preset", "ci", "--arms", "off,frozen,online,online-fixed", "--segment", "1",
+            "--report-again", "--out", str(run)]
+    assert main(argv) == 0
+    again = json.loads((run / "summary-again.json").read_text())
+    first = json.loads((run / "summary.json").read_text())
+    assert again["again"]["steps_summarized"] == first["steps"] == 3
+    assert again["engines"]["embedded"]["arms"] == first["engines"]["embedded"]["arms"]  # same code, same figures
+    assert {p: p.read_bytes() for p in before} == before
+    capsys.readouterr()
+    assert main(argv) == 2
+    assert "summary-again.json exists; it is not replaced" in capsys.readouterr().err
+    (run / "summary.json").unlink()
+    (run / "summary-again.json").unlink()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds no finished bench rl run" in err and err.count("\n") == 1

