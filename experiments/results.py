@@ -6,8 +6,9 @@ their spread, written as the JSON docs/results/ keeps (summaries, not run folder
 Each RUN_DIR holds a command's summary.json (`specrl bench rl`, `specrl drift`, `specrl bench
 speed`, ...), or the summary-unfinished.json of a bench rl run that stopped early (its
 `unfinished` field says which steps it summarizes); a finished bench rl run summarized again by
-newer code (`--report-again`, its `again` field) is read by summary-again.json. Its numbers are read as flat keys: nested dicts by name, a list of rows by what
-names a row (its batch, arm, mode, step, dtype, ...), e.g. `engines.embedded.arms.online.step_speedup` or
+newer code (`--report-again`, its `again` field) is read by summary-again.json. Its numbers are
+read as flat keys: nested dicts by name, a list of rows by what names a row (its batch, arm,
+mode, step, dtype, ...), e.g. `engines.embedded.arms.online.step_speedup` or
 `rows.b16.chain.speedup`; lists of plain numbers (curves) are left out. A key's median, min and
 max are over the runs that have it. The result keeps, per run, its seed, date and code version,
 so the page that quotes it need not.

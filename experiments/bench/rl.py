@@ -422,6 +422,8 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
     the segment-wise ratios (noise), and the projection (see the module docstring)."""
     timed = {a: [r for r in rs if r["step"] >= warmup] for a, rs in rows.items()}
     off = timed["off"]
+    # every timed step knows its answers' tokens: the ratios per answer token can be read
+    tokens_known = all(_answer_tokens(r) for rs in timed.values() for r in rs)
     out: dict = {"arms": {}}
     for a, rs in timed.items():
         m = {"step_s": _median(r["step_s"] for r in rs), "rollout_s": _median(r["rollout_s"] for r in rs)}
@@ -439,7 +441,7 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         if "frozen" in timed:  # against the speculating yardstick (frozen-b's: the noise of such a ratio)
             m["step_over_frozen"] = _median(r["step_s"] for r in timed["frozen"]) / m["step_s"]
             m["total_step_over_frozen"] = sum(r["step_s"] for r in timed["frozen"]) / sum(r["step_s"] for r in rs)
-        if all(_answer_tokens(r) for rows_ in timed.values() for r in rows_):
+        if tokens_known:
             # the same ratios per answer token: where the arms' RL runs part (same_updates False), their
             # policies write answers of other lengths and a step's time follows them, not only the draft
             m["step_s_per_token"] = _median(r["step_s"] / _answer_tokens(r) for r in rs)
