@@ -78,6 +78,7 @@ from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
+from specrl.machine_load import BUSY_CORES
 from specrl.presets import DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset, cotrained
 from specrl.rl_setup import encode_prompts, rollout_params
 from specrl.train_rl import RLCallback, RLRun, train_rl
@@ -89,7 +90,7 @@ ARMS = ("plain", "frozen", "online", "reference")
 TIMING_FIELDS = ("speedup_frozen_start", "speedup_frozen_end", "speedup_online_end", "speedup_reference_end",
                  "speedup_online_over_frozen_end",
                  "speedup_vs_batch", "speedup_vs_batch_deep_target", "plain_tokens_per_s_end", "draft_added_fraction",
-                 "rl_step_s", "wall_s")
+                 "rl_step_s", "wall_s", "others_busy_cores_rl_max", "rl_steps_shared", "others_busy_cores_eval_max")
 
 
 class DriftError(ValueError):
@@ -365,6 +366,7 @@ class DriftEvaluator(RLCallback):
         self.rows.append({"step": step, "arm": "plain", "tokens": plain["tokens"],
                           "tokens_per_s": plain["tokens_per_s"], "tokens_per_s_repeats": plain["tokens_per_s_repeats"],
                           "engine_steps": plain["engine_steps"], "mean_response_len": plain["tokens"] / len(self.prompts),
+                          "others_busy_cores": plain.get("others_busy_cores"),
                           "kl_from_start": policy_kl(run.policy, self.start_policy, plain["trajectories"],
                                                      run.preset.temperature)})
         for arm, r in results.items():
@@ -406,7 +408,8 @@ class DriftEvaluator(RLCallback):
             results = self.time_arms(run, arms, b, sweep_prompts(self.prompts, b), params, self.preset.timing_repeats)
             base = results["plain"]["tokens_per_s"]
             for arm, r in results.items():
-                row = {"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base}
+                row = {"batch": b, "arm": arm, "tokens_per_s": r["tokens_per_s"], "speedup": r["tokens_per_s"] / base,
+                       "others_busy_cores": r.get("others_busy_cores")}
                 if arm != "plain":
                     row["accept_length"] = summarize_spec_stats(t.spec for t in r["trajectories"])["accept_length"]
                     row["speedup_repeats"] = repeat_ratios(r, results["plain"])
@@ -449,8 +452,11 @@ class DriftEvaluator(RLCallback):
         parts += [f"online/frozen {r['online_over_frozen']:.3f} [{r['online_over_frozen_low']:.3f}-"
                   f"{r['online_over_frozen_high']:.3f}]" for r in pts if "online_over_frozen" in r]
         parts += [f"online/reference {r['online_over_reference']:.3f}" for r in pts if "online_over_reference" in r]
-        kl = next(r["kl_from_start"] for r in pts if r["arm"] == "plain")
-        self.log(f"[drift] step {step:>3}: KL {kl:.3f}  " + "  ".join(parts))
+        plain = next(r for r in pts if r["arm"] == "plain")
+        busy = plain.get("others_busy_cores")
+        self.log(f"[drift] step {step:>3}: KL {plain['kl_from_start']:.3f}  " + "  ".join(parts)
+                 + (f"  (other processes kept {busy:.2f} cores busy: these speeds are not this run's alone)"
+                    if busy is not None and busy > BUSY_CORES else ""))
 
 
 def sweep_size(batch: int) -> int:
@@ -506,7 +512,8 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         # the wall-clock ratio below measures it with the machine's noise on top
         "online_over_frozen_steps_end": steps_ratio,
         # the online draft's updates over the run, and the trained drafts the swap gate measured and refused
-        "draft_updates": rl_rows[-1].get("train/draft_version") if rl_rows else None,
+        # (the updates made, not the trainer's version: a refused candidate's revert also bumps that)
+        "draft_updates": sum(r.get("train/draft_steps") or 0 for r in rl_rows) if rl_rows else None,
         **gate_counts(rl_rows),
         # online over frozen where the gate looks: the serving draft over the starting one on the
         # RL rollouts' held-out sequences at each gate (CoTrainConfig.gate_floor), per gate and lowest
@@ -525,10 +532,22 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         "draft_added_fraction": draft_s / max(step_s - draft_s, 1e-9),  # see the module docstring
         "rl_step_s": step_s / max(1, len(rl_rows)),
         "wall_s": wall_s,
+        # whether the timings had the machine to themselves (specrl.machine_load): the most cores other
+        # processes kept busy over an RL step and over an evaluation's timed decoding, and the RL steps
+        # shared beyond the idle machine's background (None where nothing could be read)
+        "others_busy_cores_rl_max": _max_known(r.get("perf/others_busy_cores") for r in rl_rows),
+        "rl_steps_shared": sum((r.get("perf/others_busy_cores") or 0.0) > BUSY_CORES for r in rl_rows),
+        "others_busy_cores_eval_max": _max_known(r.get("others_busy_cores")
+                                                 for r in [*rows, *evaluator.speed_rows, *evaluator.deep_rows]),
         "timing_fields": list(TIMING_FIELDS),
         "machine": machine_info(),
     }
     return summary
+
+
+def _max_known(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return max(known) if known else None
 
 
 def deterministic_part(summary: dict) -> dict:
@@ -595,6 +614,18 @@ def _below_frozen(summary: dict) -> str:
             f"lowest ratio {summary['online_over_frozen_min']:.3f}")
 
 
+def _machine_shared(summary: dict) -> str:
+    """Whether other processes shared the machine while this run timed (specrl.machine_load)."""
+    rl, ev = summary.get("others_busy_cores_rl_max"), summary.get("others_busy_cores_eval_max")
+    if rl is None and ev is None:
+        return "not measured on this system"
+    shared = summary.get("rl_steps_shared", 0)
+    if not shared and (ev or 0.0) <= BUSY_CORES:
+        return f"alone (other processes at most {max(rl or 0.0, ev or 0.0):.2f} cores)"
+    return (f"shared: other processes kept up to {rl or 0.0:.2f} cores busy in {shared} RL step(s) and up to "
+            f"{ev or 0.0:.2f} in the evaluations' timings; those times are not this run's alone")
+
+
 def headline(summary: dict) -> list[tuple[str, str]]:
     """The figures a drift run ends with (`specrl drift`)."""
     return [("accept length", f"start {summary['tau_start']:.3f}; end: frozen {summary['tau_frozen_end']:.3f}, "
@@ -608,7 +639,8 @@ def headline(summary: dict) -> list[tuple[str, str]]:
             ("online draft cost", f"{summary['draft_added_fraction']:+.1%} RL step time"),
             ("policy", f"KL from start {summary['kl_end']:.3f}; held-out reward {summary['reward_start']:.3f} -> "
                        f"{summary['reward_end']:.3f}"),
-            ("wall time", f"{summary['wall_s']:.0f}s")]
+            ("wall time", f"{summary['wall_s']:.0f}s"),
+            ("machine", _machine_shared(summary))]
 
 
 __all__ = ["run_drift", "DriftPreset", "DRIFT_PRESETS", "DriftEvaluator", "policy_kl", "deterministic_part",

@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from specrl.machine_load import BUSY_CORES
+
 SUMMARY_FILES = ("summary-again.json", "summary.json", "summary-unfinished.json")  # what a run folder is read by, in turn
 ROW_NAMES = ("batch", "arm", "mode", "gamma", "step", "dtype", "decoding", "spec")  # what identifies a row in a list
 
@@ -59,15 +61,26 @@ def collect(name: str, command: str, runs: list[Path]) -> dict:
     keys = sorted(set().union(*flat))
     result = {"result": name, "command": command,
               "runs": [{"folder": str(run), "summary": f, "seed": s.get("seed"), "date": s.get("machine", {}).get("date"),
-                        "code_version": s.get("machine", {}).get("code_version"),
+                        "code_version": s.get("machine", {}).get("code_version"), "timed_alone": timed_alone(fl),
                         "machine": {k: v for k, v in s.get("machine", {}).items() if k not in ("date", "code_version")}}
-                       for run, f, s in zip(runs, files, summaries)],
+                       for run, f, s, fl in zip(runs, files, summaries, flat)],
               "median": {}, "min": {}, "max": {}, "n": {}}
     for k in keys:
         values = [f[k] for f in flat if k in f]
         result["median"][k] = statistics.median(values)
         result["min"][k], result["max"][k], result["n"][k] = min(values), max(values), len(values)
     return result
+
+
+def timed_alone(flat: dict[str, float]) -> bool | None:
+    """Whether a run's timings had the machine to themselves, from its summary's flat keys: no RL
+    step and no timed decoding during which other processes kept more than BUSY_CORES cores
+    busy (specrl.machine_load). None: the summary predates the measurement, or nothing was timed."""
+    shared = [v for k, v in flat.items() if k.endswith(("shared_steps_n", "rl_steps_shared"))]
+    busy = [v for k, v in flat.items() if k.endswith(("others_busy_cores", "others_busy_cores_eval_max"))]
+    if not shared and not busy:
+        return None
+    return not any(shared) and all(b <= BUSY_CORES for b in busy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out_dir / f"{args.name}.json"
     out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
     print(f"{out}: {len(result['median'])} figures over {len(args.runs)} runs")
+    for run in result["runs"]:
+        if run["timed_alone"] is False:
+            print(f"warning: {run['folder']} was timed while other processes kept the machine busy "
+                  f"(specrl.machine_load): its timings are not the code's alone")
     return 0
 
 

@@ -4,24 +4,29 @@ shares (specrl.train_rl's `rl_step`, specrl.async_rl's `async_step`).
 Draft training runs inside other parts of the step (the rollout's tail window, between the
 policy update's micro-steps), so each part is counted once, as draft training: the rollout is
 the engine's call less its tail window, the update is the trainer's step less the feature
-capture and the interleaved window.
+capture and the interleaved window. A step also records the cores other processes kept busy
+meanwhile (`perf/others_busy_cores`, specrl.machine_load): a step timed beside another heavy job
+is not this run's time alone.
 """
 from __future__ import annotations
 
 import time
 
 from rollout.protocol import RolloutStats
+from specrl.machine_load import cpu_mark, others_busy_cores
 
 # the parts of a step's wall time besides the rollout (`rollout_s`); `perf/other_s` is what is left
 PARTS = ("perf/score_s", "perf/policy_sync_s", "perf/feature_capture_s", "perf/draft_train_s", "perf/update_s")
 
 
 class StepClock:
-    """Laps of one RL step: `lap(name)` closes phase `name`, `elapsed()` is the step so far."""
+    """Laps of one RL step: `lap(name)` closes phase `name`, `elapsed()` is the step so far,
+    `others_busy_cores()` the cores other processes kept busy over it."""
 
     def __init__(self):
         self.start = self._last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self._cpu = cpu_mark()
 
     def lap(self, name: str) -> float:
         """The seconds since the previous lap (or the start), added to phase `name`."""
@@ -32,6 +37,9 @@ class StepClock:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+    def others_busy_cores(self) -> float | None:
+        return others_busy_cores(self._cpu)
 
 
 def step_parts(row: dict, gen: RolloutStats, score_s: float, update_s: float, sync_s: float | None) -> dict:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from specrl.config import CoTrainConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import starting_draft
+from specrl.machine_load import BUSY_CORES
 from specrl.presets import RunPreset, get_preset, reproducible as fixed_decisions
 from specrl.run_choice import choice_history
 from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, read_metrics, restore_state,
@@ -57,13 +58,16 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
             cb.on_step_end(run, step, row)
 
     eval_end = evaluate(rollout, task, tokenizer, run.heldout, preset, seed)
-    choice = choice_history(read_metrics(run.out / METRICS_FILE)) if cotrain.run_choice is not None else None
+    rows = read_metrics(run.out / METRICS_FILE)
+    choice = choice_history(rows) if cotrain.run_choice is not None else None
     summary = {"task": task_name, "preset": run.preset_name, "seed": seed, "spec": spec, "engine": engine,
                "device": str(run.device), "rl_steps": preset.rl_steps,
                "reward_start": eval_start["reward"], "reward_end": eval_end["reward"],
                "greedy_accuracy_start": eval_start["greedy_accuracy"], "greedy_accuracy_end": eval_end["greedy_accuracy"],
                "eval_prompts": len(run.heldout), "eval_samples_per_prompt": preset.eval_samples,
-               "sft_cached": run.sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start}
+               "sft_cached": run.sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start,
+               # steps timed while other processes kept the machine busy (specrl.machine_load)
+               "rl_steps_shared": sum((r.get("perf/others_busy_cores") or 0.0) > BUSY_CORES for r in rows)}
     if choice is not None:  # speculation on or off per rollout, from measured rollouts (specrl.run_choice)
         summary["run_choice"] = choice
     write_summary(run.out, summary)
@@ -71,6 +75,9 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
         cb.on_end(run, summary)
     log(f"[rl] held-out reward: start {summary['reward_start']:.3f} -> end {summary['reward_end']:.3f} "
         f"({summary['wall_s']:.0f}s)")
+    if summary["rl_steps_shared"]:
+        log(f"[rl] {summary['rl_steps_shared']} of {len(rows)} steps ran while other processes kept more than "
+            f"{BUSY_CORES} cores busy: their times, and the decisions made from them, are not this run's alone")
     return summary
 
 
@@ -102,7 +109,8 @@ def rl_step(run: RLRun, step: int) -> dict:
     update_s = clock.lap("update")
     sync_s = sync_policy(rollout, run.policy)
     gen = trajs.stats
-    row = {"step": step, **metrics, "tokens_per_s": gen.tokens_per_s, **cotrain.end_step(), "step_s": clock.elapsed()}
+    row = {"step": step, **metrics, "tokens_per_s": gen.tokens_per_s, **cotrain.end_step(), "step_s": clock.elapsed(),
+           "perf/others_busy_cores": clock.others_busy_cores()}
     row.update(step_parts(row, gen, score_s, update_s, sync_s))
     row["rollout/response_lens"] = [len(t.token_ids) for t in trajs]
     if gen.spec_steps is not None:

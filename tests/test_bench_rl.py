@@ -521,3 +521,24 @@ def test_a_finished_run_is_summarized_again_from_its_saved_steps(bench, tmp_path
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "holds no finished bench rl run" in err and err.count("\n") == 1
+
+
+def test_steps_timed_beside_other_work_are_reported():
+    """A step during which other processes kept the machine busy (perf/others_busy_cores, from
+    specrl.machine_load) is counted and named in the report; a run alone says nothing."""
+    from experiments.bench.rl import report
+
+    def row(step, busy):
+        return {"step": step, "step_s": 1.0, "rollout_s": 0.5, "perf/others_busy_cores": busy}
+
+    alone = summarize({"off": [row(i, 0.02) for i in range(4)], "frozen": [row(i, 0.03) for i in range(4)]}, [(0, 4)], 1)
+    assert alone["shared_steps_n"] == 0 and alone["others_busy_cores_max"] == pytest.approx(0.03)
+    shared = summarize({"off": [row(i, 0.02) for i in range(4)],
+                        "frozen": [row(i, 1.3 if i == 2 else 0.02) for i in range(4)]}, [(0, 4)], 1)
+    assert shared["shared_steps"] == [["frozen", 2, 1.3]] and shared["shared_steps_n"] == 1
+    head = {"preset": "ci", "steps": 4, "segment": 4, "warmup_steps": 1}
+    said = [x for x in report({**head, "engines": {"embedded": shared}}) if "machine was shared" in x]
+    assert len(said) == 1 and "1 timed step(s)" in said[0] and "frozen step 2" in said[0]
+    assert not [x for x in report({**head, "engines": {"embedded": alone}}) if "machine was shared" in x]
+    before = summarize({"off": [{"step": i, "step_s": 1.0, "rollout_s": 0.5} for i in range(3)]}, [(0, 3)], 1)
+    assert before["others_busy_cores_max"] is None and before["shared_steps_n"] == 0  # rows from before the field

@@ -100,6 +100,12 @@ def test_drift_outputs(drift_runs):
     assert summary["tau_frozen_end"] < summary["tau_start"] - 0.2
     assert summary["tau_online_end"] > summary["tau_frozen_end"] + 0.1
     assert summary["online_over_reference_min"] > 0.9
+    # whether the timings had the machine to themselves: measured for every RL step and timed window
+    assert all(r["perf/others_busy_cores"] >= 0.0 for r in rl_rows)
+    assert summary["others_busy_cores_rl_max"] == max(r["perf/others_busy_cores"] for r in rl_rows)
+    assert summary["rl_steps_shared"] == sum(r["perf/others_busy_cores"] > 0.1 for r in rl_rows)
+    assert all(r["others_busy_cores"] >= 0.0 for r in rows if r["arm"] == "plain")
+    assert summary["others_busy_cores_eval_max"] >= max(r["others_busy_cores"] for r in rows if r["arm"] == "plain")
     # the deep target's sweep: plain, chain and adaptive at every sweep batch, lossless, with the bound's parts
     deep = summary["speedup_vs_batch_deep_target"]
     assert [(r["batch"], r["mode"]) for r in deep] == [(b, m) for b in preset.speed_batches

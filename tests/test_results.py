@@ -116,3 +116,22 @@ def test_an_unfinished_bench_rl_report_is_read_and_a_folder_without_either_refus
     (run / "summary-unfinished.json").write_text(json.dumps(
         {"seed": 0, "machine": {"date": "d", "code_version": "v"}, "unfinished": {"steps_summarized": 8}}))
     assert collect("x", "cmd", [run])["median"]["unfinished.steps_summarized"] == 8.0
+
+
+def test_a_run_timed_beside_other_work_is_marked_and_warned(tmp_path, capsys):
+    """`timed_alone` per run: False where a bench rl step or a drift evaluation's timing shared the
+    machine (specrl.machine_load), None where the summary predates the measurement."""
+    from experiments.results import main
+
+    summaries = {"alone": {"engines": {"embedded": {"shared_steps_n": 0, "others_busy_cores_max": 0.04}}},
+                 "bench": {"engines": {"embedded": {"shared_steps_n": 3, "others_busy_cores_max": 1.1}}},
+                 "drift": {"rl_steps_shared": 0, "others_busy_cores_eval_max": 0.9},
+                 "old": {"engines": {"embedded": {"arms": {}}}}}
+    for name, s in summaries.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "summary.json").write_text(json.dumps({"seed": 0, "machine": {"date": "d"}, **s}))
+    runs = [tmp_path / n for n in summaries]
+    assert [r["timed_alone"] for r in collect("x", "cmd", runs)["runs"]] == [True, False, False, None]
+    assert main(["x", *map(str, runs), "--command", "cmd", "--out-dir", str(tmp_path / "out")]) == 0
+    warned = [x for x in capsys.readouterr().out.splitlines() if x.startswith("warning: ")]
+    assert len(warned) == 2 and "bench" in warned[0] and "drift" in warned[1]

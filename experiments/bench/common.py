@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from rollout.protocol import Rollout
+from specrl.machine_load import AT_START, cpu_mark, others_busy_cores
 from specrl.presets import get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts, rollout_params
 from target_training.grpo import native_bf16
@@ -65,9 +67,12 @@ def cpu_model() -> str:
 def machine_info() -> dict:
     """The machine and the code a result ran on (the code when the process started), with the
     date (UTC): every summary.json carries it. `cpu_bf16`: whether the CPU computes bf16 natively,
-    which decides what `compute_dtype="auto"` runs (the `real` preset's policy and draft updates)."""
+    which decides what `compute_dtype="auto"` runs (the `real` preset's policy and draft updates).
+    `others_busy_cores`: the cores other processes kept busy, on average, since this process
+    started (specrl.machine_load; None where it cannot be read); each timed window keeps its own."""
     return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu": cpu_model(), "cpu_bf16": native_bf16(torch.device("cpu")),
+            "cpu": cpu_model(), "cpu_bf16": native_bf16(torch.device("cpu")), "cores": os.cpu_count(),
+            "others_busy_cores": others_busy_cores(AT_START),
             "torch": torch.__version__, "threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -101,13 +106,16 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
     (a call can leave the allocator or caches in a state that slows the next). An engine with a
     `ready()` method (an arm that shares a live engine with others and swaps its draft in) is
     readied before each of its calls, outside the clock. The engines named in `profile` carry
-    one StepProfiler through all their timed calls (not the warm-up), returned as "profiler"."""
+    one StepProfiler through all their timed calls (not the warm-up), returned as "profiler".
+    Every engine's result carries `others_busy_cores`: the cores other processes kept busy over
+    the timed calls (specrl.machine_load), the same for all of them."""
     from rollout.profile import StepProfiler
 
     for engine in engines.values():
         getattr(engine, "ready", lambda: None)()
         engine.generate(prompts[: min(len(prompts), 2)], params, request_ids=range(min(len(prompts), 2)))
     profilers = {name: StepProfiler(engines[name].device) for name in profile}
+    mark = cpu_mark()  # the timed calls' window: whether another job shared the machine meanwhile
     best: dict[str, dict] = {}
     names = list(engines)
     per_repeat: dict[str, list[float]] = {name: [] for name in names}
@@ -134,7 +142,8 @@ def timed_generate_interleaved(engines: dict, prompts, params, repeats: int = 2,
                               "engine_steps": steps}
     # tokens/s of every repeat, in repeat order: ratios between engines per repeat are their
     # least noisy comparison (both ran within seconds of each other)
-    return {name: {**best[name], "tokens_per_s_repeats": per_repeat[name],
+    others = others_busy_cores(mark)
+    return {name: {**best[name], "tokens_per_s_repeats": per_repeat[name], "others_busy_cores": others,
                    **({"profiler": profilers[name]} if name in profilers else {})} for name in names}
 
 

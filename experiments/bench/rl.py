@@ -109,6 +109,7 @@ import statistics
 from pathlib import Path
 
 from experiments.bench.common import code_version, gate_counts, length_distribution, machine_info, turn_order
+from specrl.machine_load import BUSY_CORES
 from specrl.presets import get_preset, unbudgeted
 from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
@@ -499,6 +500,13 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
         for r in rs:
             by_step.setdefault(r["step"], []).append(tuple(r.get(k) for k in SAME))
     out["same_updates"] = all(len(set(v)) == 1 for v in by_step.values())
+    # whether the timed steps had the machine to themselves (specrl.machine_load): the most cores other
+    # processes kept busy over a step, and the steps shared beyond the idle machine's background
+    busy = [(a, r["step"], r["perf/others_busy_cores"]) for a, rs in timed.items() for r in rs
+            if r.get("perf/others_busy_cores") is not None]
+    out["others_busy_cores_max"] = max((c for _, _, c in busy), default=None)
+    out["shared_steps"] = [[a, step, c] for a, step, c in busy if c > BUSY_CORES]
+    out["shared_steps_n"] = len(out["shared_steps"])
     add_matched_heldout(out["arms"])
     out["curves"] = {k: [r.get(k) for r in rows["off"]] for k in SAME}
     out["response_lengths"] = length_distribution([n for r in rows["off"] for n in r.get("rollout/response_lens", [])],
@@ -589,6 +597,11 @@ def report(summary: dict) -> list[str]:
                              + (f" (end/start {ratio:.3f})" if ratio is not None else "")
                              + (f" (at the steps every arm measured {matched:.3f})"
                                 if matched is not None and matched != ratio else "") + gate)
+        if s.get("shared_steps"):
+            worst = max(s["shared_steps"], key=lambda x: x[2])
+            lines.append(f"  the machine was shared: other processes kept more than {BUSY_CORES} cores busy in "
+                         f"{len(s['shared_steps'])} timed step(s) (up to {worst[2]:.2f}, {worst[0]} step {worst[1]}); "
+                         f"their times are not the arms' alone")
         if s.get("response_lengths"):
             d = s["response_lengths"]
             lines.append(f"  answer lengths (tokens, {d['answers']} answers of the off arm): median {d['median']}, "

@@ -357,6 +357,7 @@ def measure_batch(arm_set, prompts, params, batch: int, *, repeats: int = 3, war
         if name == yard:
             profile = parts[name].profile if name in parts else None
             row = {"batch": batch, "mode": "plain", **label, "tokens_per_s": plain["tokens_per_s"], "speedup": 1.0,
+                   "others_busy_cores": plain.get("others_busy_cores"),  # over every arm's timed calls
                    **({} if profile is None else {"profile": profile})}
         elif arm.kind == "spec":
             p = parts[name]
