@@ -78,7 +78,7 @@ from rollout.drafters import DrafterSpec, SpecConfig
 from specrl.config import ControllerConfig
 from specrl.controller import SpeculationController
 from specrl.drafts import train_offline_draft
-from specrl.machine_load import BUSY_CORES
+from specrl.machine_load import STEP_KEY, shared, shared_steps
 from specrl.presets import DRIFT_COTRAIN_FIXED, RL_PRESETS, RunPreset, cotrained
 from specrl.rl_setup import encode_prompts, rollout_params
 from specrl.train_rl import RLCallback, RLRun, train_rl
@@ -456,7 +456,7 @@ class DriftEvaluator(RLCallback):
         busy = plain.get("others_busy_cores")
         self.log(f"[drift] step {step:>3}: KL {plain['kl_from_start']:.3f}  " + "  ".join(parts)
                  + (f"  (other processes kept {busy:.2f} cores busy: these speeds are not this run's alone)"
-                    if busy is not None and busy > BUSY_CORES else ""))
+                    if shared(busy) else ""))
 
 
 def sweep_size(batch: int) -> int:
@@ -535,8 +535,8 @@ def summarize(evaluator: DriftEvaluator, rl_rows: list[dict], rl_summary: dict, 
         # whether the timings had the machine to themselves (specrl.machine_load): the most cores other
         # processes kept busy over an RL step and over an evaluation's timed decoding, and the RL steps
         # shared beyond the idle machine's background (None where nothing could be read)
-        "others_busy_cores_rl_max": _max_known(r.get("perf/others_busy_cores") for r in rl_rows),
-        "rl_steps_shared": sum((r.get("perf/others_busy_cores") or 0.0) > BUSY_CORES for r in rl_rows),
+        "others_busy_cores_rl_max": _max_known(r.get(STEP_KEY) for r in rl_rows),
+        "rl_steps_shared": shared_steps(rl_rows),
         "others_busy_cores_eval_max": _max_known(r.get("others_busy_cores")
                                                  for r in [*rows, *evaluator.speed_rows, *evaluator.deep_rows]),
         "timing_fields": list(TIMING_FIELDS),
@@ -619,10 +619,10 @@ def _machine_shared(summary: dict) -> str:
     rl, ev = summary.get("others_busy_cores_rl_max"), summary.get("others_busy_cores_eval_max")
     if rl is None and ev is None:
         return "not measured on this system"
-    shared = summary.get("rl_steps_shared", 0)
-    if not shared and (ev or 0.0) <= BUSY_CORES:
+    n_shared = summary.get("rl_steps_shared", 0)
+    if not n_shared and not shared(ev):
         return f"alone (other processes at most {max(rl or 0.0, ev or 0.0):.2f} cores)"
-    return (f"shared: other processes kept up to {rl or 0.0:.2f} cores busy in {shared} RL step(s) and up to "
+    return (f"shared: other processes kept up to {rl or 0.0:.2f} cores busy in {n_shared} RL step(s) and up to "
             f"{ev or 0.0:.2f} in the evaluations' timings; those times are not this run's alone")
 
 

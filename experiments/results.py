@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from specrl.machine_load import BUSY_CORES
+from specrl.machine_load import shared
 
 SUMMARY_FILES = ("summary-again.json", "summary.json", "summary-unfinished.json")  # what a run folder is read by, in turn
 ROW_NAMES = ("batch", "arm", "mode", "gamma", "step", "dtype", "decoding", "spec")  # what identifies a row in a list
@@ -74,13 +74,13 @@ def collect(name: str, command: str, runs: list[Path]) -> dict:
 
 def timed_alone(flat: dict[str, float]) -> bool | None:
     """Whether a run's timings had the machine to themselves, from its summary's flat keys: no RL
-    step and no timed decoding during which other processes kept more than BUSY_CORES cores
-    busy (specrl.machine_load). None: the summary predates the measurement, or nothing was timed."""
-    shared = [v for k, v in flat.items() if k.endswith(("shared_steps_n", "rl_steps_shared"))]
+    step and no timed decoding during which other processes kept the machine busy
+    (specrl.machine_load.shared). None: the summary predates the measurement, or nothing was timed."""
+    counts = [v for k, v in flat.items() if k.endswith(("shared_steps_n", "rl_steps_shared"))]
     busy = [v for k, v in flat.items() if k.endswith(("others_busy_cores", "others_busy_cores_eval_max"))]
-    if not shared and not busy:
+    if not counts and not busy:
         return None
-    return not any(shared) and all(b <= BUSY_CORES for b in busy)
+    return not any(counts) and not any(shared(b) for b in busy)
 
 
 def main(argv: list[str] | None = None) -> int:

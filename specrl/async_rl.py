@@ -224,7 +224,7 @@ def async_step(loop: _AsyncLoop, step: int) -> dict:
            "staleness_max": step - min(heads), "staleness_mean": step - sum(heads) / len(heads),
            "wait_s": clock.laps["wait"], "update_s": clock.laps["update"], "policy_sync_s": clock.laps["policy_sync"],
            "draft_wait_s": clock.laps["draft_wait"], "draft_wait_updates": waited,
-           "draft_s": clock.lap("draft"), "step_s": clock.elapsed(), "perf/others_busy_cores": clock.others_busy_cores(),
+           "draft_s": clock.lap("draft"), "step_s": clock.elapsed(), STEP_KEY: clock.others_busy_cores(),
            "tokens": sum(len(t.token_ids) for t in trajs), "rollouts_finished": len(finished),
            "stale_groups_dropped": stale, "spec_faults_total": len(server.draft_faults)}
     run.last_batch = (trajs, versions)

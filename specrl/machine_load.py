@@ -95,5 +95,18 @@ def others_busy_cores(since: CPUMark | None, until: CPUMark | None = None) -> fl
     return max(0.0, ((until.machine_s - since.machine_s) - (until.own_s - since.own_s)) / wall)
 
 
+STEP_KEY = "perf/others_busy_cores"  # an RL step row's figure (specrl.train_rl.rl_step, specrl.async_rl)
+
+
+def shared(cores: float | None) -> bool:
+    """Whether a window whose others_busy_cores read `cores` counts as shared (None: not measured)."""
+    return cores is not None and cores > BUSY_CORES
+
+
+def shared_steps(rows) -> int:
+    """The RL step rows that ran while others kept the machine busy."""
+    return sum(shared(r.get(STEP_KEY)) for r in rows)
+
+
 # when this process started its work (the harness's modules import this one early)
 AT_START = cpu_mark()

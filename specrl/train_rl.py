@@ -20,7 +20,7 @@ from tqdm import tqdm
 from specrl.config import CoTrainConfig
 from specrl.cotrain import SpecCoTrainer
 from specrl.drafts import starting_draft
-from specrl.machine_load import BUSY_CORES
+from specrl.machine_load import BUSY_CORES, STEP_KEY, shared_steps
 from specrl.presets import RunPreset, get_preset, reproducible as fixed_decisions
 from specrl.run_choice import choice_history
 from specrl.run_dir import (METRICS_FILE, append_row, check_writable, open_run_dir, read_metrics, restore_state,
@@ -67,7 +67,7 @@ def train_rl(task_name: str, preset_name: str | RunPreset, out_dir: str | Path, 
                "eval_prompts": len(run.heldout), "eval_samples_per_prompt": preset.eval_samples,
                "sft_cached": run.sft_info.get("cached", False), "wall_s": time.perf_counter() - t_start,
                # steps timed while other processes kept the machine busy (specrl.machine_load)
-               "rl_steps_shared": sum((r.get("perf/others_busy_cores") or 0.0) > BUSY_CORES for r in rows)}
+               "rl_steps_shared": shared_steps(rows)}
     if choice is not None:  # speculation on or off per rollout, from measured rollouts (specrl.run_choice)
         summary["run_choice"] = choice
     write_summary(run.out, summary)
@@ -110,7 +110,7 @@ def rl_step(run: RLRun, step: int) -> dict:
     sync_s = sync_policy(rollout, run.policy)
     gen = trajs.stats
     row = {"step": step, **metrics, "tokens_per_s": gen.tokens_per_s, **cotrain.end_step(), "step_s": clock.elapsed(),
-           "perf/others_busy_cores": clock.others_busy_cores()}
+           STEP_KEY: clock.others_busy_cores()}
     row.update(step_parts(row, gen, score_s, update_s, sync_s))
     row["rollout/response_lens"] = [len(t.token_ids) for t in trajs]
     if gen.spec_steps is not None:

@@ -109,7 +109,7 @@ import statistics
 from pathlib import Path
 
 from experiments.bench.common import code_version, gate_counts, length_distribution, machine_info, turn_order
-from specrl.machine_load import BUSY_CORES
+from specrl.machine_load import BUSY_CORES, STEP_KEY, shared
 from specrl.presets import get_preset, unbudgeted
 from specrl.run_choice import choice_history, describe
 from specrl.run_dir import RUN_FILE, RunDirError
@@ -502,10 +502,9 @@ def summarize(rows: dict[str, list[dict]], segments, warmup: int, max_new_tokens
     out["same_updates"] = all(len(set(v)) == 1 for v in by_step.values())
     # whether the timed steps had the machine to themselves (specrl.machine_load): the most cores other
     # processes kept busy over a step, and the steps shared beyond the idle machine's background
-    busy = [(a, r["step"], r["perf/others_busy_cores"]) for a, rs in timed.items() for r in rs
-            if r.get("perf/others_busy_cores") is not None]
+    busy = [(a, r["step"], r[STEP_KEY]) for a, rs in timed.items() for r in rs if r.get(STEP_KEY) is not None]
     out["others_busy_cores_max"] = max((c for _, _, c in busy), default=None)
-    out["shared_steps"] = [[a, step, c] for a, step, c in busy if c > BUSY_CORES]
+    out["shared_steps"] = [[a, step, c] for a, step, c in busy if shared(c)]
     out["shared_steps_n"] = len(out["shared_steps"])
     add_matched_heldout(out["arms"])
     out["curves"] = {k: [r.get(k) for r in rows["off"]] for k in SAME}
