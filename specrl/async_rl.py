@@ -31,6 +31,7 @@ import torch
 from rollout.engine import EmbeddedEngine, EngineConfig
 from rollout.protocol import Trajectory
 from specrl.integrations.areal import ChunkServer, areal_engine
+from specrl.machine_load import STEP_KEY
 from specrl.presets import RunPreset, get_preset
 from specrl.rl_setup import build_task_and_policy, encode_prompts
 from specrl.step_clock import StepClock
